@@ -1,0 +1,25 @@
+"""Pure tensor maths of low-rank (PowerSGD) compression; no torch.distributed here."""
+
+from edgc.compress.lowrank import (
+    compressible,
+    draw_q,
+    error_feedback_,
+    orthogonalize_,
+    project_p,
+    project_q,
+    reconstruct,
+    relative_lowrank_error,
+    resize_q,
+)
+
+__all__ = [
+    "compressible",
+    "draw_q",
+    "error_feedback_",
+    "orthogonalize_",
+    "project_p",
+    "project_q",
+    "reconstruct",
+    "relative_lowrank_error",
+    "resize_q",
+]

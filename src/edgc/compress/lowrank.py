@@ -1,0 +1,130 @@
+"""Low-rank gradient compression with error feedback (PowerSGD, Vogels et al. 2019).
+
+One round on a batch of same-shape matrices M (B, m, n), with Q (B, n, r):
+
+    P = M Q            -> all-reduce P (sum)         project_p
+    orthogonalise P                                  orthogonalize_
+    Q = M^T P          -> all-reduce Q, divide by W  project_q
+    M_hat = P Q^T                                    reconstruct
+    error = M - M_hat                                error_feedback_
+
+The all-reduces live in edgc.comm; everything here is local arithmetic, so it is tested
+in one process, in float64, against exact answers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Added to column norms in Gram-Schmidt so an all-zero column stays finite (torch's hook
+# uses the same guard).
+_GS_EPS = 1e-8
+
+
+def compressible(shape: tuple[int, ...] | torch.Size, rank: int, min_rate: float) -> bool:
+    """True if a gradient of `shape` is worth compressing at `rank`.
+
+    Tensors with fewer than 2 dimensions never are. Others are viewed as
+    (shape[0], prod(shape[1:])) and compressed when m*n / ((m+n)*r) >= min_rate.
+    """
+    if len(shape) < 2:
+        return False
+    m = int(shape[0])
+    n = 1
+    for d in shape[1:]:
+        n *= int(d)
+    r = min(rank, m, n)
+    return m * n >= min_rate * (m + n) * r
+
+
+def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormalise the columns of each matrix in p (B, m, r), in place; returns p.
+
+    Gram-Schmidt for r <= 2 or half precision (cheap and stable enough there, as in
+    torch's hook); Householder QR otherwise.
+    """
+    r = p.shape[-1]
+    if r <= 2 or p.dtype in (torch.float16, torch.bfloat16):
+        for i in range(r):
+            col = p[..., i : i + 1]  # (B, m, 1)
+            col.div_(torch.linalg.vector_norm(col, dim=-2, keepdim=True) + _GS_EPS)
+            if i + 1 < r:
+                rest = p[..., i + 1 :]  # (B, m, r-i-1)
+                rest.sub_(col @ (col.transpose(-1, -2) @ rest))
+        return p
+    q, _ = torch.linalg.qr(p, mode="reduced")  # (B, m, r)
+    p.copy_(q)
+    return p
+
+
+def project_p(m: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """P = M Q: (B, m, n) @ (B, n, r) -> (B, m, r), written to `out` when given."""
+    return torch.bmm(m, q, out=out)
+
+
+def project_q(m: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Q = M^T P: (B, n, m) @ (B, m, r) -> (B, n, r), written to `out` when given."""
+    return torch.bmm(m.transpose(1, 2), p, out=out)
+
+
+def reconstruct(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """M_hat = P Q^T: (B, m, r) @ (B, r, n) -> (B, m, n)."""
+    return torch.bmm(p, q.transpose(1, 2))
+
+
+def error_feedback_(m: torch.Tensor, m_hat: torch.Tensor) -> torch.Tensor:
+    """Turn m into the compression error m - m_hat, in place; returns m.
+
+    After the call, (what was sent) + m == (the input m), the EF invariant.
+    """
+    return m.sub_(m_hat)
+
+
+def draw_q(
+    batch: int, n: int, rank: int, generator: torch.Generator, *, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A random (batch, n, rank) matrix from `generator`.
+
+    Drawn on the CPU in float32, so the same generator state gives the same matrix on
+    every replica and every device, then moved to `device` and `dtype`.
+    """
+    q = torch.randn((batch, n, rank), generator=generator, dtype=torch.float32)
+    return q.to(device=device, dtype=dtype)
+
+
+def resize_q(q: torch.Tensor, rank: int, generator: torch.Generator) -> torch.Tensor:
+    """Q (B, n, r) resized to (B, n, rank) keeping the warm start.
+
+    Shrinking drops the trailing columns; growing appends new random columns from
+    `generator` (replica-identical when the generator is), so the learned subspace and
+    with it the error-feedback buffer stay valid across rank changes.
+    """
+    b, n, r = q.shape
+    if rank == r:
+        return q
+    if rank < r:
+        return q[..., :rank].contiguous()
+    extra = draw_q(b, n, rank - r, generator, dtype=q.dtype, device=q.device)
+    return torch.cat([q, extra], dim=-1)
+
+
+def relative_lowrank_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[float]:
+    """Relative Frobenius error of the best rank-r approximation, aggregated over matrices.
+
+    For each r in `ranks`: sqrt(sum_i sum_{j>r} s_ij^2 / sum_i sum_j s_ij^2), where s_ij
+    are the singular values of matrix i (Eckart-Young-Mirsky). Computed exactly with one
+    SVD per matrix, in float32 or better. Returns one value per rank; nan if all are zero.
+    """
+    tail = [0.0] * len(ranks)
+    total = 0.0
+    for mat in matrices:
+        a = mat.reshape(mat.shape[0], -1)
+        if a.dtype not in (torch.float32, torch.float64):
+            a = a.float()
+        s2 = torch.linalg.svdvals(a).double().pow(2)  # (min(m, n),)
+        total += float(s2.sum())
+        for k, r in enumerate(ranks):
+            tail[k] += float(s2[r:].sum())
+    if total == 0.0:
+        return [float("nan")] * len(ranks)
+    return [(t / total) ** 0.5 for t in tail]

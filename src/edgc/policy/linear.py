@@ -1,0 +1,22 @@
+"""The released code's rank rule: a large entropy change asks for a high rank."""
+
+from __future__ import annotations
+
+import math
+
+
+def linear_rank(dh_cur: float, dh_ref: float, r_min: int, r_max: int) -> float:
+    """r = r_min + (r_max - r_min) * dH_cur / dH_ref, clipped to [r_min, r_max].
+
+    dh_cur = |mean H(window k) - mean H(window k-1)|; dh_ref = the same for windows 1
+    and 2. The release records warm-up entropies as 0, making dh_ref = 0; here the
+    reference comes from measured windows, and a zero reference maps any change to
+    r_max and no change to r_min. Returns a continuous rank; rounding happens in
+    `limit_rank`.
+    """
+    if not (math.isfinite(dh_cur) and math.isfinite(dh_ref)):
+        return float(r_max)
+    if dh_ref <= 0.0:
+        return float(r_max if dh_cur > 0.0 else r_min)
+    r = r_min + (r_max - r_min) * dh_cur / dh_ref
+    return float(min(max(r, r_min), r_max))

@@ -1,0 +1,55 @@
+"""When compression starts: a floor of uncompressed steps plus the release's error check."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class WarmupGate:
+    """Decides the step after which compression begins.
+
+    Release criterion: train uncompressed for at least `warmup_steps`; record
+    eps_max = the relative error of the best rank-r_max approximation when checks
+    begin; then, at each window end, start once eps(r_min) < eps_max. Without the
+    error check, compression starts right after `warmup_steps`.
+    """
+
+    def __init__(self, warmup_steps: int, window: int, error_check: bool) -> None:
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.error_check = error_check
+        self.eps_max: float | None = None  # error at r_max, recorded at the first check
+        self.open = False  # compression has started
+
+    def needs_errors(self, step: int) -> bool:
+        """True if step's gradient must be measured (eps at r_min and r_max) for the check."""
+        return self.error_check and not self.open and step % self.window == 0
+
+    def update(self, step: int, eps_rmin: float = math.nan, eps_rmax: float = math.nan) -> bool:
+        """Feed the end of `step`; returns True if compression starts with step + 1.
+
+        eps_rmin and eps_rmax are the replica-averaged relative errors measured on
+        this step's gradient when `needs_errors(step)` was True.
+        """
+        if self.open:
+            return True
+        if not self.error_check:
+            self.open = step >= self.warmup_steps
+            return self.open
+        if step % self.window != 0:
+            return False
+        if self.eps_max is None:
+            if math.isfinite(eps_rmax):
+                self.eps_max = eps_rmax
+            return False
+        if step >= self.warmup_steps and math.isfinite(eps_rmin) and eps_rmin < self.eps_max:
+            self.open = True
+        return self.open
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"eps_max": self.eps_max, "open": self.open}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.eps_max = d["eps_max"]
+        self.open = bool(d["open"])

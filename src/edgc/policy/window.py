@@ -1,0 +1,115 @@
+"""The window mechanism: entropy is averaged per window and the rank moves once per window."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from edgc.policy.cqm import ErrorModel, cqm_rank
+from edgc.policy.linear import linear_rank
+
+
+def limit_rank(
+    proposed: float,
+    current: int,
+    *,
+    r_min: int,
+    r_max: int,
+    step: int | None,
+    multiple: int,
+) -> int:
+    """The proposed rank after clipping, rounding and the rate limit.
+
+    The proposal is clipped to [r_min, r_max], rounded to the nearest multiple of
+    `multiple`, and kept within `step` of `current` (no limit when step is None: the
+    release's first move, which may span the whole range). The result always lies in
+    [r_min, r_max].
+    """
+    if not math.isfinite(proposed):
+        return current
+    r = min(max(proposed, r_min), r_max)
+    r = int(round(r / multiple)) * multiple
+    if step is not None:
+        r = min(max(r, current - step), current + step)
+    return int(min(max(r, r_min), r_max))
+
+
+class RankController:
+    """Turns per-step entropy samples into a rank decision at the end of each window.
+
+    Holds the window accumulators and the history of window means (warm-up windows
+    included, measured rather than recorded as 0 as in the release). Which rule maps
+    the entropy change to a rank is `policy`: "static", "cqm" or "linear".
+    """
+
+    def __init__(self, policy: str, *, rank_step: int, rank_multiple: int) -> None:
+        self.policy = policy
+        self.rank_step = rank_step
+        self.rank_multiple = rank_multiple
+        # internal state
+        self.window_sum = 0.0
+        self.window_count = 0
+        self.history: list[float] = []  # mean entropy of each closed window
+        self.r_min = 0
+        self.r_max = 0
+        self.rank = 0
+        self.moves = 0  # rank decisions made since compression started
+        self.error_model: ErrorModel | None = None
+
+    def observe(self, entropy: float) -> None:
+        """Add one entropy sample to the current window; non-finite samples are dropped."""
+        if math.isfinite(entropy):
+            self.window_sum += entropy
+            self.window_count += 1
+
+    def close_window(self) -> float:
+        """End the current window; returns its mean entropy (nan if it had no samples)."""
+        mean = self.window_sum / self.window_count if self.window_count else float("nan")
+        self.history.append(mean)
+        self.window_sum = 0.0
+        self.window_count = 0
+        return mean
+
+    def start(self, r_min: int, r_max: int, error_model: ErrorModel | None) -> int:
+        """Begin compressing at r_max (the release's starting point); returns the rank."""
+        self.r_min, self.r_max = r_min, r_max
+        self.rank = r_max
+        self.moves = 0
+        self.error_model = error_model
+        return self.rank
+
+    def decide(self) -> int:
+        """The rank for the next window, from the last two window means; returns it."""
+        finite = [h for h in self.history if math.isfinite(h)]
+        if self.policy == "static" or len(finite) < 2 or not math.isfinite(self.history[-1]):
+            return self.rank
+        h_prev, h_cur = finite[-2], finite[-1]
+        if self.policy == "cqm":
+            assert self.error_model is not None, "cqm needs an error model"
+            proposed = cqm_rank(h_prev, h_cur, self.rank, self.error_model)
+        else:  # linear
+            proposed = linear_rank(abs(h_cur - h_prev), abs(finite[1] - finite[0]), self.r_min, self.r_max)
+        step = None if self.moves == 0 else self.rank_step
+        self.rank = limit_rank(
+            proposed, self.rank, r_min=self.r_min, r_max=self.r_max, step=step, multiple=self.rank_multiple
+        )
+        self.moves += 1
+        return self.rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window_sum": self.window_sum,
+            "window_count": self.window_count,
+            "history": list(self.history),
+            "r_min": self.r_min,
+            "r_max": self.r_max,
+            "rank": self.rank,
+            "moves": self.moves,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.window_sum = float(d["window_sum"])
+        self.window_count = int(d["window_count"])
+        self.history = [float(h) for h in d["history"]]
+        self.r_min, self.r_max = int(d["r_min"]), int(d["r_max"])
+        self.rank, self.moves = int(d["rank"]), int(d["moves"])
