@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import torch
 
-# Added to column norms in Gram-Schmidt so an all-zero column stays finite (torch's hook
-# uses the same guard).
-_GS_EPS = 1e-8
-
 
 def compressible(shape: tuple[int, ...] | torch.Size, rank: int, min_rate: float) -> bool:
     """True if a gradient of `shape` is worth compressing at `rank`.
@@ -47,7 +43,10 @@ def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
     if r <= 2 or p.dtype in (torch.float16, torch.bfloat16):
         for i in range(r):
             col = p[..., i : i + 1]  # (B, m, 1)
-            col.div_(torch.linalg.vector_norm(col, dim=-2, keepdim=True) + _GS_EPS)
+            # clamp, not add: an all-zero column stays zero (and finite) without biasing
+            # the norm of every other column, as adding an epsilon would
+            norm = torch.linalg.vector_norm(col, dim=-2, keepdim=True)
+            col.div_(norm.clamp_min(torch.finfo(p.dtype).tiny))
             if i + 1 < r:
                 rest = p[..., i + 1 :]  # (B, m, r-i-1)
                 rest.sub_(col @ (col.transpose(-1, -2) @ rest))

@@ -1,0 +1,129 @@
+"""Rank policies as pure objects: window, bounds, rate limit, warm-up, calibration."""
+
+import math
+
+import pytest
+
+from edgc.policy import (
+    ErrorModel,
+    RankController,
+    WarmupGate,
+    calibrated_max_rank,
+    limit_rank,
+    linear_rank,
+    probe_ranks,
+)
+
+SHAPES = [(256, 1024)] * 4 + [(1024, 256)] * 4
+
+
+def _controller(policy, r_min=8, r_max=32, step=4):
+    c = RankController(policy, rank_step=step, rank_multiple=2)
+    c.start(r_min, r_max, ErrorModel(SHAPES) if policy == "cqm" else None)
+    return c
+
+
+def _feed(c, *means):
+    for h in means:
+        c.observe(h)
+        c.close_window()
+
+
+def test_cqm_rank_falls_when_entropy_falls_and_rises_when_it_rises():
+    c = _controller("cqm", step=32)
+    _feed(c, -5.0, -5.2)
+    down = c.decide()
+    assert down < 32
+    _feed(c, -4.9)
+    assert c.decide() > down
+
+
+def test_rate_limit_after_first_move_and_bounds():
+    c = _controller("cqm", r_min=8, r_max=32, step=4)
+    _feed(c, -5.0, -8.0)  # a huge fall: the first move may span the range
+    assert c.decide() == 8
+    _feed(c, 0.0)  # a huge rise: now limited to +4 per window
+    assert c.decide() == 12
+    _feed(c, 5.0)
+    assert c.decide() == 16
+    for _ in range(10):
+        _feed(c, c.history[-1] + 5.0)
+        c.decide()
+    assert c.rank == 32  # never above r_max
+
+
+def test_window_mean_ignores_nonfinite_and_empty_windows_keep_rank():
+    c = _controller("cqm")
+    c.observe(1.0)
+    c.observe(float("nan"))
+    c.observe(3.0)
+    assert c.close_window() == 2.0
+    assert math.isnan(c.close_window())  # no samples
+    assert c.decide() == 32  # nothing to compare: unchanged
+
+
+def test_static_policy_never_moves():
+    c = _controller("static")
+    _feed(c, -1.0, -9.0, 4.0)
+    assert c.decide() == 32
+
+
+def test_linear_rule_matches_release_formula():
+    assert linear_rank(0.5, 1.0, 8, 32) == 20.0
+    assert linear_rank(3.0, 1.0, 8, 32) == 32.0
+    assert linear_rank(0.0, 1.0, 8, 32) == 8.0
+    assert linear_rank(0.1, 0.0, 8, 32) == 32.0  # release bug guard: zero reference
+    c = _controller("linear", step=100)
+    _feed(c, 1.0, 2.0, 2.25)  # ref |1-2| = 1, current 0.25 -> 8 + 24 * 0.25 = 14
+    assert c.decide() == 14
+
+
+def test_limit_rank_rounds_to_multiple_inside_bounds():
+    assert limit_rank(13.2, 20, r_min=4, r_max=32, step=None, multiple=4) == 12
+    assert limit_rank(1.0, 20, r_min=4, r_max=32, step=None, multiple=4) == 4
+    assert limit_rank(31.0, 20, r_min=4, r_max=30, step=None, multiple=4) == 30
+    assert limit_rank(2.0, 20, r_min=4, r_max=32, step=6, multiple=2) == 14
+    assert limit_rank(float("nan"), 20, r_min=4, r_max=32, step=6, multiple=2) == 20
+
+
+def test_controller_state_round_trip():
+    c = _controller("linear")
+    _feed(c, 1.0, 2.0)
+    c.observe(7.0)
+    d = _controller("linear")
+    d.load_state_dict(c.state_dict())
+    assert d.state_dict() == c.state_dict()
+
+
+def test_warmup_floor_without_error_check():
+    gate = WarmupGate(warmup_steps=10, window=4, error_check=False)
+    assert [gate.update(s) for s in range(1, 12)] == [False] * 9 + [True, True]
+
+
+def test_warmup_error_check_triggers_as_specified():
+    gate = WarmupGate(warmup_steps=10, window=4, error_check=True)
+    assert not gate.needs_errors(3) and gate.needs_errors(4)
+    assert not gate.update(4, eps_rmin=0.9, eps_rmax=0.5)  # records eps_max = 0.5
+    assert gate.eps_max == 0.5
+    assert not gate.update(8, eps_rmin=0.4, eps_rmax=0.2)  # below eps_max but before the floor
+    assert not gate.update(9)  # not a window end
+    assert not gate.update(12, eps_rmin=0.6, eps_rmax=0.3)  # past the floor, error too high
+    assert gate.update(16, eps_rmin=0.45, eps_rmax=0.2)  # first window with eps(r_min) < eps_max
+    assert gate.update(17) and not gate.needs_errors(20)
+
+
+def test_calibration_interpolates_crossing_and_floors_to_four():
+    points = [(2, 0.1), (4, 0.2), (8, 0.4), (16, 0.8), (32, 1.6)]
+    # uncompressed 1.0 s: crossing between 16 (0.8) and 32 (1.6) at 20 -> 20
+    assert calibrated_max_rank(points[:], 1.0) == 20
+    assert calibrated_max_rank(points[:], 1.1) == 20  # 22 floored to a multiple of 4
+    assert calibrated_max_rank(points[:4], 5.0) == 16  # never crossed: largest probed
+    assert calibrated_max_rank([(2, 1.0)], 0.5) == 4  # never pays: the floor
+    with pytest.raises(ValueError):
+        calibrated_max_rank([], 1.0)
+
+
+def test_probe_ranks_double_up_to_cap():
+    assert probe_ranks(20) == [2, 4, 8, 16, 20]
+    assert probe_ranks(16) == [2, 4, 8, 16]
+    assert probe_ranks(1) == [1]
