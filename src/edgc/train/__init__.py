@@ -1,0 +1,1 @@
+"""Training machinery: local launch, trainer loop, checkpoints, metrics."""
