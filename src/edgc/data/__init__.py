@@ -1,0 +1,40 @@
+"""Training data: corpora, tokenizers, token files and batches."""
+
+from edgc.data.corpus import (
+    Corpus,
+    CorpusSplit,
+    builtin_corpus,
+    iter_text_files,
+    split_corpus,
+)
+from edgc.data.prepare import PreparedData, prepare, prepare_builtin
+from edgc.data.tokenizer import (
+    BPETokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    gpt2_tokenizer,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+from edgc.data.tokens import TokenFile, TokenFileHeader, get_batch, write_token_file
+
+__all__ = [
+    "BPETokenizer",
+    "Corpus",
+    "CorpusSplit",
+    "GPT2Tokenizer",
+    "PreparedData",
+    "TokenFile",
+    "TokenFileHeader",
+    "Tokenizer",
+    "builtin_corpus",
+    "get_batch",
+    "gpt2_tokenizer",
+    "iter_text_files",
+    "load_tokenizer",
+    "prepare",
+    "prepare_builtin",
+    "split_corpus",
+    "train_bpe_tokenizer",
+    "write_token_file",
+]
