@@ -309,6 +309,11 @@ class EDGCState:
         if self.phase == "warmup" and self.calibration["done"]:
             eps_min = float(control[_EPS_MIN]) if want_errors else math.nan
             eps_max = float(control[_EPS_MAX]) if want_errors else math.nan
+            if want_errors:
+                logger.info(
+                    "EDGC warm-up check at step %s: eps(r_min=%s) = %.4f, eps(r_max=%s) = %.4f, eps_max = %s",
+                    step, self.r_min, eps_min, self.r_max, eps_max, self.gate.eps_max,
+                )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)
 

@@ -28,9 +28,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
+def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, threads: int, log_level: int, args: tuple) -> None:
     import torch
     import torch.distributed as dist
+
+    logging.basicConfig(level=log_level, format=f"%(levelname)s [rank {rank}] %(name)s: %(message)s")
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -61,10 +63,11 @@ def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context("spawn")
+    log_level = logging.getLogger().getEffectiveLevel()  # workers log like the parent
     with tempfile.TemporaryDirectory(prefix="edgc-workers-") as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, nproc, port, out_dir, threads, args), daemon=False)
+            ctx.Process(target=_worker, args=(fn, r, nproc, port, out_dir, threads, log_level, args), daemon=False)
             for r in range(nproc)
         ]
         try:

@@ -1,0 +1,5 @@
+import sys
+
+from edgc.cli import main
+
+sys.exit(main())

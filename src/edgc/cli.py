@@ -1,0 +1,146 @@
+"""The `edgc` console script: subcommand wiring only."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from edgc.config import EDGCConfig
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from edgc.train.config import TrainConfig
+
+    p = sub.add_parser("train", help="train a GPT-2 preset with a gradient-sync method",
+                       description="Train a GPT-2 preset under DDP. Without torchrun it starts --nproc local "
+                                   "gloo workers; under torchrun it joins the job (NCCL when CUDA is present).")
+    p.add_argument("--config", help="TOML or JSON file of training options (an [edgc] table for EDGCConfig)")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "edgc":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(flag, dest=f.name, type=_parse_value, default=None)
+    group = p.add_argument_group("EDGCConfig fields (default: scaled to the run length)")
+    for f in dataclasses.fields(EDGCConfig):
+        group.add_argument("--edgc-" + f.name.replace("_", "-"), dest="edgc__" + f.name, type=_parse_value, default=None)
+
+
+def _parse_value(text: str):
+    """Numbers, booleans and null as JSON; anything else stays a string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _train(args: argparse.Namespace) -> int:
+    from edgc.train.config import TrainConfig, load_config_file
+    from edgc.train.trainer import train, train_distributed
+
+    values: dict = load_config_file(args.config) if args.config else {}
+    edgc_values = dict(values.pop("edgc", {}))
+    for key, value in vars(args).items():
+        if value is None or key in ("command", "config", "resume", "verbose"):
+            continue
+        if key.startswith("edgc__"):
+            edgc_values[key[len("edgc__"):]] = value
+        else:
+            values[key] = value
+    if args.resume:
+        values["out"] = args.resume
+        saved = Path(args.resume) / "config.json"
+        if saved.is_file():  # the run's own settings, unless overridden on this command line
+            base = json.loads(saved.read_text())
+            base.pop("world_size", None)
+            base_edgc = base.pop("edgc", {})
+            base.update(values)
+            values = base
+            edgc_values = {**base_edgc, **edgc_values}
+    values["edgc"] = edgc_values
+    cfg = TrainConfig.from_dict(values)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    run = train_distributed(cfg, resume=bool(args.resume)) if under_torchrun else train(cfg, resume=bool(args.resume))
+    if not under_torchrun or os.environ.get("RANK") == "0":
+        print(f"run folder: {run}  (summary.md, metrics.jsonl, plots, checkpoint.pt)")
+        print((run / "summary.md").read_text().split("\n\n")[2])
+    return 0
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder")
+    p.add_argument("paths", nargs="+", help="text files or folders (searched recursively)")
+    p.add_argument("--out", required=True, help="output folder (train.bin, val.bin, meta.json)")
+    p.add_argument("--tokenizer", default="gpt2", help='"gpt2" or a saved BPE tokenizer.json')
+    p.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from edgc.data import TokenFile, iter_text_files, prepare
+    from edgc.data.corpus import Corpus, split_corpus
+    from edgc.train.trainer import write_meta
+
+    files = list(iter_text_files(args.paths))
+    if not files:
+        raise ValueError(f"no text files found in {args.paths}; give text files or folders that hold some")
+    out = Path(args.out)
+    common = Path(os.path.commonpath([str(f.parent) for f in files]))
+    split = split_corpus(Corpus(common, [f.relative_to(common) for f in files]), args.val_fraction)
+    train = prepare(split.train.paths(), out / "train.bin", args.tokenizer)
+    val = prepare(split.val.paths(), out / "val.bin", args.tokenizer)
+    header = TokenFile(train).header
+    write_meta(out, args.tokenizer, header.vocab_size, header.count, TokenFile(val).header.count,
+               source=", ".join(map(str, args.paths)))
+    print(f"{out}: {header.count:,} train / {len(TokenFile(val)):,} validation tokens "
+          f"({len(split.train.files)} / {len(split.val.files)} files), tokenizer {args.tokenizer}")
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="compare finished runs in a table and overlay plots")
+    p.add_argument("runs", nargs="+", help="run folders")
+    p.add_argument("--out", default="runs/report", help="where report.md and the plots go")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from edgc.train.report import report
+
+    print(report(args.runs, args.out), end="")
+    print(f"report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
+COMMANDS = {"train": (_add_train, _train), "prepare": (_add_prepare, _prepare), "report": (_add_report, _report)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgc", description="Entropy-driven dynamic gradient compression for PyTorch.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command][1](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"edgc {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

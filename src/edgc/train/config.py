@@ -1,0 +1,199 @@
+"""TrainConfig: everything one `edgc train` run needs, validated before any worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgc.config import EDGCConfig
+from edgc.models import PRESETS
+
+METHODS = ("none", "powersgd", "torch-powersgd", "edgc")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run. Fields left at None are derived from the run length (`resolve`)."""
+
+    preset: str = "tiny"
+    """Model preset (edgc.models.PRESETS)."""
+
+    method: str = "edgc"
+    """Gradient sync: "none" (plain all-reduce), "powersgd" (our compressor, static rank),
+    "torch-powersgd" (PyTorch's own hook, made safe for gloo) or "edgc"."""
+
+    nproc: int = 2
+    """Local workers started by `edgc train` (ignored under torchrun, which sets the world)."""
+
+    steps: int = 300
+    """Optimiser steps."""
+
+    stop_after: int | None = None
+    """Stop after this step with a checkpoint, as a time-limited job would; continue later
+    with --resume (the schedule still runs to `steps`)."""
+
+    batch_size: int = 8
+    """Sequences per worker per micro-step."""
+
+    grad_accum: int = 1
+    """Micro-steps per optimiser step (the hook runs on the last one only)."""
+
+    block_size: int | None = None
+    """Context length; None: the preset's (capped at 128 for "tiny")."""
+
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+
+    min_lr: float | None = None
+    """Floor of the cosine decay; None: lr / 10."""
+
+    lr_warmup_steps: int | None = None
+    """Linear learning-rate warm-up; None: 5% of steps (paper: 1% of a much longer run)."""
+
+    weight_decay: float = 0.01
+    """AdamW weight decay (paper: 0.01)."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (paper: 1.0); 0 disables clipping."""
+
+    eval_every: int | None = None
+    """Validation every N steps (and at the end); None: steps // 6."""
+
+    eval_batches: int = 8
+    """Validation batches per evaluation, shared out over the workers."""
+
+    checkpoint_every: int | None = None
+    """Checkpoint every N steps (and at the end); None: steps // 3."""
+
+    seed: int = 1337
+    """Seed of the model init and of every worker's batch sampler."""
+
+    data: str | None = None
+    """A folder made by `edgc prepare` (train.bin, val.bin, meta.json); None: the built-in
+    corpus, prepared once into `data_cache`."""
+
+    tokenizer: str = "bpe"
+    """For the built-in corpus: "bpe" (small local BPE, fast on CPU) or "gpt2"."""
+
+    vocab_size: int = 2048
+    """Size of the local BPE when tokenizer is "bpe"."""
+
+    corpus_bytes: int | None = 4_000_000
+    """Cap on the built-in corpus in bytes (None: the whole standard library)."""
+
+    data_cache: str = "runs/.data"
+    """Where the built-in corpus is tokenised to, once."""
+
+    out: str = "runs/edgc"
+    """The run folder."""
+
+    rank: int = 16
+    """r_max for "edgc", and the fixed rank of "powersgd" and "torch-powersgd"."""
+
+    bucket_cap_mb: float = 25.0
+    """DDP bucket size."""
+
+    progress: bool = True
+    """Show a live progress bar on rank 0."""
+
+    edgc: dict[str, Any] = field(default_factory=dict)
+    """EDGCConfig overrides (any field); unspecified ones are scaled to the run (`resolve`)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if self.preset not in PRESETS:
+            bad("preset", f"must be one of {sorted(PRESETS)}")
+        if self.method not in METHODS:
+            bad("method", f"must be one of {METHODS}")
+        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches", "rank", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
+        for name in ("block_size", "lr_warmup_steps", "eval_every", "checkpoint_every", "corpus_bytes", "stop_after"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "lr_warmup_steps" else 1)):
+                bad(name, "must be a positive integer or unset")
+        if not self.lr > 0:
+            bad("lr", "must be positive")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"must be in [0, lr={self.lr}]")
+        if self.grad_clip < 0:
+            bad("grad_clip", "must be >= 0")
+        if self.tokenizer not in ("bpe", "gpt2"):
+            bad("tokenizer", 'must be "bpe" or "gpt2"')
+        if self.data is not None and not (Path(self.data) / "meta.json").is_file():
+            raise ValueError(
+                f"data={self.data!r}: no prepared data there (expected meta.json, train.bin, val.bin); "
+                f"make it with: edgc prepare TEXT_FILES_OR_FOLDERS --out {self.data}"
+            )
+        self.edgc_config()  # raises ValueError naming the EDGCConfig field
+
+    def resolve(self) -> TrainConfig:
+        """A copy with every None default filled in from the run length."""
+        c = dataclasses.replace(self, edgc=dict(self.edgc))
+        preset = PRESETS[c.preset]
+        if c.block_size is None:
+            c.block_size = min(preset.block_size, 128) if c.preset == "tiny" else preset.block_size
+        if c.min_lr is None:
+            c.min_lr = c.lr / 10
+        if c.lr_warmup_steps is None:
+            c.lr_warmup_steps = max(1, c.steps // 20)
+        if c.eval_every is None:
+            c.eval_every = max(1, c.steps // 6)
+        if c.checkpoint_every is None:
+            c.checkpoint_every = max(1, c.steps // 3)
+        c.edgc = dataclasses.asdict(c.edgc_config())
+        return c
+
+    def edgc_config(self) -> EDGCConfig:
+        """The EDGCConfig for this run: overrides from `edgc`, the rest scaled to `steps`.
+
+        The paper's window of 1000 iterations and alpha = 0.1 fit runs of 10^5 steps. For
+        a run of S steps: window = S // 15 (at least 5) so the rank can move ~15 times;
+        alpha gives at least 5 entropy samples per window; warm-up is 10% of the steps
+        (release); the error check follows EDGCConfig (off by default, see its docstring).
+        """
+        window = self.edgc.get("window", max(5, self.steps // 15))
+        values: dict[str, Any] = {
+            "policy": "static" if self.method == "powersgd" else "cqm",
+            "max_rank": self.rank,
+            "window": window,
+            # (an invalid window is left for EDGCConfig to reject by name)
+            "iteration_sample_rate": min(1.0, max(0.1, 5 / window)) if isinstance(window, int) and window > 0 else 0.1,
+            "warmup_steps": max(1, self.steps // 10),
+            "seed": self.seed,
+        }
+        values.update(self.edgc)
+        return EDGCConfig.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON config file into a dict (keys as TrainConfig fields, and an
+    [edgc] table / "edgc" object for EDGCConfig fields)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        return json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {exc}") from None

@@ -1,0 +1,49 @@
+"""Live progress on rank 0: a rich progress bar, or a plain line per eval when not a terminal."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+__all__ = ["ProgressDisplay"]
+
+
+class ProgressDisplay:
+    """Shows step, loss, rank, phase, compression ratio and ETA while training runs."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.interactive = enabled and sys.stderr.isatty()
+        self.console = Console(stderr=True)
+        self.progress: Progress | None = None
+        self.val_loss: float | None = None
+        if self.interactive:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=total, completed=start, info="")
+            self.progress.start()
+
+    def update(self, step: int, record: dict[str, Any], stats: Any, val_loss: float | None) -> None:
+        if not self.enabled:
+            return
+        if val_loss is not None:
+            self.val_loss = val_loss
+        ratio = stats.bytes_uncompressed / stats.bytes_sent if stats.bytes_sent else 1.0
+        info = (f"loss {record['loss']:.3f}"
+                + (f" val {self.val_loss:.3f}" if self.val_loss is not None else "")
+                + f" | {record['phase']} rank {record['rank']} | {ratio:.1f}x fewer bytes")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, info=info)
+        elif val_loss is not None or step == self.total:
+            self.console.print(f"step {step}/{self.total} {info}", highlight=False)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()

@@ -1,0 +1,33 @@
+"""`edgc report`: overlay finished runs in plots and compare them in one table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgc.train.plots import plot_runs
+from edgc.train.summary import load_run, summarize, table
+
+__all__ = ["report"]
+
+
+def report(run_dirs: list[str | Path], out_dir: str | Path) -> str:
+    """Write report.md and overlay plots into out_dir; returns the markdown table."""
+    if not run_dirs:
+        raise ValueError("report needs at least one run folder")
+    loaded = []
+    for d in run_dirs:
+        config, records = load_run(d)
+        loaded.append((Path(d).name, config, records))
+    names = [n for n, _, _ in loaded]
+    if len(set(names)) != len(names):  # same folder names in different places: use the paths
+        loaded = [(str(d), c, r) for d, (_, c, r) in zip(run_dirs, loaded)]
+    summaries = [summarize(n, c, r) for n, c, r in loaded]
+    text = table(summaries)
+    out_dir = Path(out_dir)
+    plot_runs([(n, r) for n, _, r in loaded], out_dir)
+    (out_dir / "report.md").write_text(
+        "# edgc report\n\n" + text
+        + "\nBytes are per replica, as handed to collectives. Step time leaves out the first 5% of steps.\n\n"
+        "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
+    )
+    return text

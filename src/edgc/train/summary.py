@@ -1,0 +1,97 @@
+"""Figures of a finished run, and its summary.md and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgc.train.metrics import read_metrics
+from edgc.train.plots import plot_runs
+
+__all__ = ["RunSummary", "load_run", "summarize", "table", "write_summary"]
+
+
+@dataclass
+class RunSummary:
+    """The comparison figures of one run."""
+
+    name: str
+    method: str
+    steps: int
+    final_val_loss: float
+    final_val_ppl: float
+    total_bytes: int
+    total_bytes_uncompressed: int
+    mean_step_time: float
+    total_comm_time: float
+    mean_tokens_per_s: float
+    final_rank: int
+
+
+def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(config, metrics records) of a run folder; raises FileNotFoundError naming what is missing."""
+    run_dir = Path(run_dir)
+    for name in ("config.json", "metrics.jsonl"):
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(f"{str(run_dir)!r} is not an edgc run folder: {name} is missing")
+    return json.loads((run_dir / "config.json").read_text()), read_metrics(run_dir / "metrics.jsonl")
+
+
+def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) -> RunSummary:
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    if not train:
+        raise ValueError(f"run {name!r} has no training steps logged")
+    # the first steps include one-off start-up costs; leave out 5% from the mean step time
+    timed = train[len(train) // 20 :] or train
+    last_val = val[-1]["val_loss"] if val else math.nan
+    return RunSummary(
+        name=name, method=config.get("method", "?"), steps=train[-1]["step"],
+        final_val_loss=last_val, final_val_ppl=math.exp(last_val) if math.isfinite(last_val) else math.nan,
+        total_bytes=sum(r["bytes_sent"] for r in train),
+        total_bytes_uncompressed=sum(r["bytes_uncompressed"] for r in train),
+        mean_step_time=sum(r["step_time"] for r in timed) / len(timed),
+        total_comm_time=sum(r["comm_time"] for r in train),
+        mean_tokens_per_s=sum(r["tokens_per_s"] for r in timed) / len(timed),
+        final_rank=train[-1]["rank"],
+    )
+
+
+def table(summaries: list[RunSummary]) -> str:
+    """A markdown comparison table; ratios are against the first run."""
+    base = summaries[0]
+    lines = [
+        "| run | method | steps | final val loss | val ppl | total MB sent | bytes vs first | "
+        "mean step (ms) | comm time (s) | final rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s.name} | {s.method} | {s.steps} | {s.final_val_loss:.4f} | {s.final_val_ppl:.2f} | "
+            f"{s.total_bytes / 1e6:.1f} | {s.total_bytes / base.total_bytes:.3f} | {s.mean_step_time * 1e3:.1f} | "
+            f"{s.total_comm_time:.2f} | {s.final_rank} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(run_dir: str | Path) -> Path:
+    """Write summary.md and the plots of one run folder; returns summary.md's path."""
+    run_dir = Path(run_dir)
+    config, records = load_run(run_dir)
+    s = summarize(run_dir.name, config, records)
+    plot_runs([(s.method, records)], run_dir)
+    ratio = s.total_bytes_uncompressed / s.total_bytes if s.total_bytes else 1.0
+    text = (
+        f"# Run {run_dir.name}\n\n"
+        f"{config['method']} on {config['preset']}, {config.get('world_size')} workers, {s.steps} steps.\n\n"
+        + table([s])
+        + f"\nBytes: {s.total_bytes / 1e6:.1f} MB sent per replica against "
+        f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce ({ratio:.2f}x fewer).\n\n"
+        "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
+    )
+    path = run_dir / "summary.md"
+    path.write_text(text)
+    return path

@@ -1,0 +1,283 @@
+"""The training loop: GPT-2 under DDP with a chosen gradient-sync method.
+
+Two ways in:
+- `train(cfg)`: the embedded default; prepares data, then starts `cfg.nproc` local gloo
+  workers (edgc.train.launch) and writes the summary and plots when they finish.
+- `train_distributed(cfg)`: under torchrun; joins the job it is given (NCCL when CUDA is
+  present, gloo otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from edgc.comm import EDGCState, edgc_hook
+from edgc.comm.baselines import AllReduceState, TorchPowerSGDState, allreduce_hook, torch_powersgd_hook
+from edgc.config import EDGCConfig
+from edgc.data import TokenFile, get_batch, prepare_builtin
+from edgc.models import build_model
+from edgc.train.checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
+from edgc.train.config import TrainConfig
+from edgc.train.launch import run_local
+from edgc.train.metrics import MetricsWriter
+from edgc.train.progress import ProgressDisplay
+from edgc.train.summary import write_summary
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["lr_at", "prepare_run", "train", "train_distributed", "train_worker"]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate at `step` (1-based): linear warm-up, then cosine decay to min_lr."""
+    assert cfg.lr_warmup_steps is not None and cfg.min_lr is not None
+    if step <= cfg.lr_warmup_steps:
+        return cfg.lr * step / max(1, cfg.lr_warmup_steps)
+    progress = (step - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
+
+
+def ensure_data(cfg: TrainConfig) -> Path:
+    """The prepared data folder; tokenises the built-in corpus into the cache if needed."""
+    if cfg.data is not None:
+        return Path(cfg.data)
+    name = f"builtin-{cfg.tokenizer}{cfg.vocab_size if cfg.tokenizer == 'bpe' else ''}-{cfg.corpus_bytes or 'all'}"
+    folder = Path(cfg.data_cache) / name
+    if not (folder / "meta.json").is_file():
+        logger.info("tokenising the built-in corpus into %s (once)", folder)
+        prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes, vocab_size=cfg.vocab_size)
+        write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
+                   prepared.train_tokens, prepared.val_tokens, source="built-in corpus (Python standard library sources)")
+    return folder
+
+
+def write_meta(folder: Path, tokenizer: str, vocab_size: int, train_tokens: int, val_tokens: int, source: str) -> None:
+    """meta.json beside train.bin and val.bin: what the trainer needs to know about them."""
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab_size, "train_tokens": train_tokens,
+            "val_tokens": val_tokens, "source": source}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
+    """Validate everything before any worker starts; returns the resolved config.
+
+    A new run refuses to overwrite a folder that already holds a checkpoint (no lost data);
+    a resumed run must match its checkpoint's world size, model and method.
+    """
+    cfg.validate()
+    cfg = cfg.resolve()
+    out = Path(cfg.out)
+    if resume:
+        ckpt = load_checkpoint(out / CHECKPOINT_NAME)
+        data = ensure_data(cfg)
+        vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+        model_config = _model_config(cfg, vocab)
+        check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method, model_config=model_config)
+        end = min(cfg.steps, cfg.stop_after or cfg.steps)
+        if ckpt["step"] >= end:
+            raise ValueError(f"checkpoint is at step {ckpt['step']}, not before step {end} "
+                             f"(--steps {cfg.steps}, --stop-after {cfg.stop_after}): nothing to resume")
+    elif (out / CHECKPOINT_NAME).exists():
+        raise ValueError(f"{str(out)!r} already holds a run; continue it with --resume {out} or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": world_size}, indent=2) + "\n")
+    return cfg
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Train on `cfg.nproc` local gloo workers; returns the run folder."""
+    cfg = prepare_run(cfg, resume, cfg.nproc)
+    data = ensure_data(cfg)
+    run_local(train_worker, cfg.nproc, cfg.to_dict(), str(data), resume)
+    write_summary(Path(cfg.out))
+    return Path(cfg.out)
+
+
+def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if rank == 0:
+            cfg = prepare_run(cfg, resume, world)
+            data = ensure_data(cfg)
+        dist.barrier()
+        if rank != 0:
+            cfg.validate()
+            cfg = cfg.resolve()
+            data = ensure_data(cfg)
+        train_worker(rank, world, cfg.to_dict(), str(data), resume)
+        if rank == 0:
+            write_summary(Path(cfg.out))
+    finally:
+        dist.destroy_process_group()
+    return Path(cfg.out)
+
+
+def _model_config(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
+    """The model's GPTConfig as a dict, for matching checkpoints (built on meta: free)."""
+    model = build_model(cfg.preset, vocab_size=vocab_size, block_size=cfg.block_size, device="meta")
+    return dataclasses.asdict(model.config)
+
+
+def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
+    """Register the method's communication hook; returns its state (all have stats())."""
+    if cfg.method == "none":
+        state: Any = AllReduceState(None)
+        ddp.register_comm_hook(state, allreduce_hook)
+    elif cfg.method == "torch-powersgd":
+        edgc_cfg = EDGCConfig(**cfg.edgc)
+        state = TorchPowerSGDState(None, rank=cfg.rank, start_iter=edgc_cfg.warmup_steps + 1,
+                                   min_compression_rate=edgc_cfg.min_compression_rate)
+        ddp.register_comm_hook(state, torch_powersgd_hook)
+    else:  # powersgd (static policy) or edgc
+        state = EDGCState(None, EDGCConfig(**cfg.edgc))
+        ddp.register_comm_hook(state, edgc_hook)
+    return state
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices and embeddings, none on biases and norms (GPT-2 practice)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> float:
+    """Mean validation loss over `cfg.eval_batches` fixed batches, shared out over ranks."""
+    model.eval()
+    gen = torch.Generator().manual_seed(cfg.seed + 99991)  # same batches at every evaluation
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(cfg.eval_batches):
+        x, y = get_batch(val, cfg.batch_size, cfg.block_size, gen, device)
+        if i % world == rank:
+            _, loss = model(x, y)
+            total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
+    # collective (metrics only): all-reduce SUM of 2 float64 values
+    dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1])
+
+
+def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
+    """One replica's training loop. Rank 0 writes metrics and checkpoints."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    use_cuda = dist.get_backend() == "nccl"
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    data = Path(data_dir)
+    meta = json.loads((data / "meta.json").read_text())
+    train_tokens, val_tokens = TokenFile(data / "train.bin"), TokenFile(data / "val.bin")
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size).to(device)
+    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, device_ids=[device.index] if use_cuda else None)
+    hook_state = _attach_hook(cfg, ddp)
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # this replica's batches
+
+    start = 0
+    if resume:
+        ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
+        check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
+                         model_config=_model_config(cfg, meta["vocab_size"]))
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        mine = ckpt["replicas"][rank]
+        hook_state.load_state_dict(mine["comm"])
+        gen.set_state(mine["generator"])
+        torch.set_rng_state(mine["torch_rng"])
+        start = int(ckpt["step"])
+        del ckpt
+
+    writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
+    display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
+    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
+    prev = hook_state.stats()
+    skipped = 0
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    try:
+        last = min(cfg.steps, cfg.stop_after or cfg.steps)
+        for step in range(start + 1, last + 1):
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            t0 = time.perf_counter()
+            loss_sum.zero_()
+            for micro in range(cfg.grad_accum):
+                x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)
+                sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else ddp.no_sync()
+                with sync:
+                    _, loss = ddp(x, y)
+                    (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach().double() / cfg.grad_accum
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            if torch.isfinite(norm):
+                opt.step()
+            else:  # the hook passed inf/nan through; skip the update on every replica alike
+                skipped += 1
+            opt.zero_grad(set_to_none=True)
+            if use_cuda:
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0
+
+            # collective (metrics only): all-reduce SUM of the step's loss, 8 bytes
+            dist.all_reduce(loss_sum)
+            stats = hook_state.stats()
+            record = {
+                "step": step, "kind": "train", "loss": float(loss_sum) / world, "lr": lr,
+                "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
+                "comm_time": stats.comm_seconds - prev.comm_seconds,
+                "compress_time": stats.compress_seconds - prev.compress_seconds,
+                "entropy_time": stats.entropy_seconds - prev.entropy_seconds,
+                "bytes_sent": stats.bytes_sent - prev.bytes_sent,
+                "bytes_uncompressed": stats.bytes_uncompressed - prev.bytes_uncompressed,
+                "rank": stats.rank, "entropy": stats.entropy, "phase": stats.phase,
+                "grad_norm": float(norm), "skipped": skipped,
+            }
+            prev = stats
+            val_loss = None
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                val_loss = evaluate(model, val_tokens, cfg, rank, world, device)
+            if writer is not None:
+                writer.write(record)
+                if val_loss is not None:
+                    writer.write({"step": step, "kind": "val", "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+            display.update(step, record, stats, val_loss)
+            if step % cfg.checkpoint_every == 0 or step == last:
+                _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta)
+    finally:
+        display.close()
+        if writer is not None:
+            writer.close()
+    return {"skipped": skipped, "stats": hook_state.stats()}
+
+
+def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta) -> None:
+    """Gather every replica's compression state to rank 0, which writes atomically."""
+    mine = {"comm": hook_state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    # collective: gather of each replica's pickled state (error feedback, Q, RNG) to rank 0
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
+            "step": step, "world_size": world, "train": cfg.to_dict(),
+            "model_config": _model_config(cfg, meta["vocab_size"]),
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "replicas": gathered,
+        })
+    dist.barrier()

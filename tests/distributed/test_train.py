@@ -1,0 +1,117 @@
+"""`edgc train` / `edgc report` end to end with 2 local gloo workers on a small corpus."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from edgc.cli import main
+from edgc.data import prepare_builtin
+from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.metrics import read_metrics
+from edgc.train.trainer import write_meta
+
+TRAIN_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time", "comm_time", "bytes_sent",
+              "bytes_uncompressed", "rank", "entropy", "phase"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    prepared = prepare_builtin(folder, tokenizer="bpe", max_bytes=400_000, vocab_size=512)
+    write_meta(folder, prepared.tokenizer, 512, prepared.train_tokens, prepared.val_tokens, source="test")
+    return folder
+
+
+def _args(data_dir, out, *extra):
+    return ["train", "--data", str(data_dir), "--out", str(out), "--batch-size", "4", "--block-size", "32",
+            "--eval-batches", "2", "--no-progress", "--rank", "4", *extra]
+
+
+@pytest.mark.parametrize("method", ["none", "powersgd", "torch-powersgd", "edgc"])
+def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
+    out = tmp_path / method
+    assert main(_args(data_dir, out, "--method", method, "--steps", "8", "--eval-every", "4",
+                      "--edgc-warmup-steps", "2", "--edgc-window", "2")) == 0
+    for name in ("config.json", "metrics.jsonl", CHECKPOINT_NAME, "summary.md",
+                 "loss.png", "entropy.png", "rank.png", "bytes.png"):
+        assert (out / name).is_file(), name
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert TRAIN_KEYS <= set(train[0])
+    assert [r["step"] for r in val] == [4, 8] and math.isfinite(val[-1]["val_loss"])
+    assert all(math.isfinite(r["loss"]) for r in train)
+    sent = sum(r["bytes_sent"] for r in train)
+    full = sum(r["bytes_uncompressed"] for r in train)
+    if method == "none":
+        assert sent == full
+    else:
+        assert 0 < sent < full  # compression started after the 2 warm-up steps
+        assert train[-1]["rank"] > 0 and train[-1]["phase"] == "compress"
+
+
+def test_resume_continues_exactly(tmp_path, data_dir):
+    common = ["--method", "edgc", "--steps", "16", "--eval-every", "4", "--checkpoint-every", "8",
+              "--edgc-warmup-steps", "3", "--edgc-window", "2", "--edgc-iteration-sample-rate", "1.0",
+              "--edgc-max-rank", "8", "--edgc-min-rank", "2"]
+    straight = tmp_path / "straight"
+    assert main(_args(data_dir, straight, *common)) == 0
+    # Stop after 7 steps (mid-window, after a checkpoint-free stretch), then resume to 16.
+    part = tmp_path / "part"
+    assert main(_args(data_dir, part, *common, "--stop-after", "7")) == 0
+    assert max(r["step"] for r in read_metrics(part / "metrics.jsonl")) == 7
+    assert main(["train", "--resume", str(part), "--stop-after", "16", "--no-progress"]) == 0
+    a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
+    b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
+    assert a == b
+    assert len({r[3] for r in a if r[3]}) >= 2, "the rank should move during this run"
+    ca = torch.load(straight / CHECKPOINT_NAME, weights_only=False)
+    cb = torch.load(part / CHECKPOINT_NAME, weights_only=False)
+    for k, v in ca["model"].items():
+        assert torch.equal(v, cb["model"][k]), k
+
+
+def test_errors_are_clear(tmp_path, data_dir, capsys):
+    assert main(_args(data_dir, tmp_path / "x", "--method", "fast")) == 2
+    assert "method='fast'" in capsys.readouterr().err
+    assert main(_args(tmp_path / "nowhere", tmp_path / "y")) == 2
+    assert "edgc prepare" in capsys.readouterr().err
+    assert main(_args(data_dir, tmp_path / "z", "--edgc-window", "0")) == 2
+    assert "EDGCConfig.window" in capsys.readouterr().err
+
+    run = tmp_path / "run"
+    assert main(_args(data_dir, run, "--steps", "2", "--method", "none")) == 0
+    assert main(_args(data_dir, run, "--steps", "2", "--method", "none")) == 2  # would overwrite
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--steps", "4", "--nproc", "1", "--no-progress"]) == 2
+    assert "world size" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--steps", "4", "--method", "edgc", "--no-progress"]) == 2
+    assert "method" in capsys.readouterr().err
+    (run / CHECKPOINT_NAME).write_bytes((run / CHECKPOINT_NAME).read_bytes()[:1000])
+    assert main(["train", "--resume", str(run), "--steps", "4", "--no-progress"]) == 2
+    assert "corrupt or truncated" in capsys.readouterr().err
+
+
+def test_report_compares_runs(tmp_path, data_dir):
+    for method in ("none", "edgc"):
+        assert main(_args(data_dir, tmp_path / method, "--method", method, "--steps", "4",
+                          "--edgc-warmup-steps", "1")) == 0
+    assert main(["report", str(tmp_path / "none"), str(tmp_path / "edgc"), "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| none | none |" in text and "| edgc | edgc |" in text
+    for name in ("loss.png", "entropy.png", "rank.png", "bytes.png"):
+        assert (tmp_path / "rep" / name).is_file()
+    assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_config_file_sets_fields(tmp_path, data_dir):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('method = "powersgd"\nsteps = 3\n[edgc]\nwarmup_steps = 1\nmax_rank = 2\n')
+    out = tmp_path / "cfgrun"
+    assert main(_args(data_dir, out, "--config", str(cfg))) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["method"] == "powersgd" and saved["steps"] == 3
+    assert saved["edgc"]["max_rank"] == 2 and saved["edgc"]["policy"] == "static"
