@@ -1,0 +1,48 @@
+"""The local launcher: results by rank, worker errors surfaced, hangs killed."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from edgc.train.launch import WorkerError, run_local
+
+
+def _sum_ranks(rank, world):
+    import torch
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return (rank, world, float(t))
+
+
+def _fail_on_one(rank, world):
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.barrier()  # rank 0 would wait forever for rank 1
+    return rank
+
+
+def _hang(rank, world):
+    time.sleep(600)
+
+
+def test_results_come_back_by_rank():
+    assert run_local(_sum_ranks, 2, timeout=60) == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+def test_worker_error_is_reported_and_peers_are_killed():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="boom on rank 1"):
+        run_local(_fail_on_one, 2, timeout=120)
+    assert time.monotonic() - t0 < 60
+
+
+def test_hang_is_killed_at_timeout():
+    with pytest.raises(WorkerError, match="did not finish in time"):
+        run_local(_hang, 2, timeout=8)
+
+
+def test_bad_nproc():
+    with pytest.raises(ValueError, match="nproc"):
+        run_local(_sum_ranks, 0)
