@@ -127,3 +127,14 @@ def test_probe_ranks_double_up_to_cap():
     assert probe_ranks(20) == [2, 4, 8, 16, 20]
     assert probe_ranks(16) == [2, 4, 8, 16]
     assert probe_ranks(1) == [1]
+
+
+def test_cqm_ignores_windows_closed_during_warmup():
+    c = RankController("cqm", rank_step=4, rank_multiple=2)
+    c.observe(-4.0)
+    c.close_window()  # a warm-up window with much higher entropy
+    c.start(8, 32, ErrorModel(SHAPES))
+    _feed(c, -6.0)
+    assert c.decide() == 32  # one comparable window only: no move yet
+    _feed(c, -6.0)
+    assert c.decide() == 32  # equal entropy after warm-up: rank holds

@@ -283,7 +283,8 @@ class EDGCState:
         self.bytes_uncompressed += sum(b.numel() * b.element_size() for b, _, _ in pending)
 
         # 1. Control values that replicas must agree on, only on steps that need them.
-        want_entropy = is_sampled_step(step, cfg.iteration_sample_rate)
+        # (the static policy decides nothing from entropy, so it pays nothing for it)
+        want_entropy = cfg.policy != "static" and is_sampled_step(step, cfg.iteration_sample_rate)
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         control = None
         if want_entropy or want_errors:

@@ -54,6 +54,9 @@ class RankController:
         self.r_max = 0
         self.rank = 0
         self.moves = 0  # rank decisions made since compression started
+        # index in `history` of the first window still open when compression started; the
+        # CQM compares only windows from there on (see decide)
+        self.first_window = 0
         self.error_model: ErrorModel | None = None
 
     def observe(self, entropy: float) -> None:
@@ -76,19 +79,26 @@ class RankController:
         self.rank = r_max
         self.moves = 0
         self.error_model = error_model
+        self.first_window = len(self.history)
         return self.rank
 
     def decide(self) -> int:
         """The rank for the next window, from the last two window means; returns it."""
-        finite = [h for h in self.history if math.isfinite(h)]
-        if self.policy == "static" or len(finite) < 2 or not math.isfinite(self.history[-1]):
+        if self.policy == "static" or not math.isfinite(self.history[-1] if self.history else math.nan):
             return self.rank
-        h_prev, h_cur = finite[-2], finite[-1]
         if self.policy == "cqm":
+            # The CQM assumes roughly normal gradients; windows that closed during warm-up
+            # (the skewed, unstable phase the warm-up exists to skip) are not compared.
+            finite = [h for h in self.history[self.first_window :] if math.isfinite(h)]
+            if len(finite) < 2:
+                return self.rank
             assert self.error_model is not None, "cqm needs an error model"
-            proposed = cqm_rank(h_prev, h_cur, self.rank, self.error_model)
-        else:  # linear
-            proposed = linear_rank(abs(h_cur - h_prev), abs(finite[1] - finite[0]), self.r_min, self.r_max)
+            proposed = cqm_rank(finite[-2], finite[-1], self.rank, self.error_model)
+        else:  # linear: the release's reference is the first two windows, warm-up included
+            finite = [h for h in self.history if math.isfinite(h)]
+            if len(finite) < 2:
+                return self.rank
+            proposed = linear_rank(abs(finite[-1] - finite[-2]), abs(finite[1] - finite[0]), self.r_min, self.r_max)
         step = None if self.moves == 0 else self.rank_step
         self.rank = limit_rank(
             proposed, self.rank, r_min=self.r_min, r_max=self.r_max, step=step, multiple=self.rank_multiple
@@ -105,6 +115,7 @@ class RankController:
             "r_max": self.r_max,
             "rank": self.rank,
             "moves": self.moves,
+            "first_window": self.first_window,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -113,3 +124,4 @@ class RankController:
         self.history = [float(h) for h in d["history"]]
         self.r_min, self.r_max = int(d["r_min"]), int(d["r_max"])
         self.rank, self.moves = int(d["rank"]), int(d["moves"])
+        self.first_window = int(d["first_window"])

@@ -91,8 +91,9 @@ class TrainConfig:
     out: str = "runs/edgc"
     """The run folder."""
 
-    rank: int = 16
-    """r_max for "edgc", and the fixed rank of "powersgd" and "torch-powersgd"."""
+    rank: int = 32
+    """r_max for "edgc", and the fixed rank of "powersgd" and "torch-powersgd" (release
+    default: 32)."""
 
     bucket_cap_mb: float = 25.0
     """DDP bucket size."""
