@@ -118,7 +118,26 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": (_add_train, _train), "prepare": (_add_prepare, _prepare), "report": (_add_report, _report)}
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from edgc.bench import comm
+
+    p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    comm.add_parser(kinds)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from edgc.bench import comm
+
+    return {"comm": comm.run}[args.bench](args)
+
+
+COMMANDS = {
+    "train": (_add_train, _train),
+    "prepare": (_add_prepare, _prepare),
+    "report": (_add_report, _report),
+    "bench": (_add_bench, _bench),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,14 +111,17 @@ def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
+        # rank 0 validates and writes config.json; one process per machine tokenises the
+        # built-in corpus if its cache lacks it; everyone else waits for both
         if rank == 0:
             cfg = prepare_run(cfg, resume, world)
-            data = ensure_data(cfg)
-        dist.barrier()
-        if rank != 0:
+        else:
             cfg.validate()
             cfg = cfg.resolve()
-            data = ensure_data(cfg)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            ensure_data(cfg)
+        dist.barrier()
+        data = ensure_data(cfg)
         train_worker(rank, world, cfg.to_dict(), str(data), resume)
         if rank == 0:
             write_summary(Path(cfg.out))

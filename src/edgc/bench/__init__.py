@@ -1,0 +1,1 @@
+"""Benchmarks: emulated slow-link clusters, micro and end-to-end comparisons, simulation."""

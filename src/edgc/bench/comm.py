@@ -1,0 +1,228 @@
+"""`edgc bench comm`: one step's gradient synchronisation, method by method, on real links.
+
+The gradient set has the parameter shapes of a model preset (built on the meta device,
+then filled with random values), cut into 25 MB buckets in reverse parameter order as DDP
+does. Each method's hook is called on those buckets exactly as DDP would call it:
+
+- none: all-reduce of every bucket (DDP's default behaviour);
+- torch-powersgd: torch's powerSGD_hook at rank r (waited per bucket, see comm.baselines);
+- powersgd: our compressor, static rank r;
+- edgc r=k: our hook with the CQM policy held at rank k, entropy sampling included, for k
+  across [r_min, r_max], the range EDGC moves in.
+
+Reported: bytes handed to collectives per replica, sync time per step (median, slowest
+replica), compression compute time, and efficiency against the physical limit of a ring
+all-reduce of those bytes, 2(N-1)/N * bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from edgc.bench.cluster import run_on_cluster
+from edgc.bench.netns import Cluster, NetnsUnavailable
+from edgc.comm import EDGCState, edgc_hook
+from edgc.comm.baselines import AllReduceState, TorchPowerSGDState, allreduce_hook, torch_powersgd_hook
+from edgc.config import EDGCConfig
+from edgc.models import PRESETS, build_model
+
+__all__ = ["add_parser", "ring_allreduce_seconds", "run"]
+
+
+def ring_allreduce_seconds(nbytes: float, world: int, bits_per_second: float, latency: float = 0.0) -> float:
+    """Ring all-reduce time: 2(N-1) latency terms plus 2(N-1)/N * bytes / bandwidth."""
+    if world <= 1:
+        return 0.0
+    return 2 * (world - 1) * latency + 2 * (world - 1) / world * nbytes * 8 / bits_per_second
+
+
+@dataclass
+class _Bucket:
+    """What DDP's GradBucket offers the hooks, over a flat buffer of gradients."""
+
+    _index: int
+    _buffer: torch.Tensor
+    _params: list[torch.Tensor]
+    _last: bool
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p in self._params:
+            out.append(self._buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def _buckets(shapes: list[torch.Size], cap_bytes: int, seed: int) -> tuple[list[_Bucket], list[torch.Tensor]]:
+    """Random gradients of `shapes` in DDP-like buckets (reverse order, ~cap_bytes each)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.empty(s) for s in shapes]
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in reversed(params):
+        if groups[-1] and size + p.numel() * 4 > cap_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * 4
+    buckets = []
+    for i, g in enumerate(groups):
+        buf = torch.randn(sum(p.numel() for p in g), generator=gen) * 1e-3
+        buckets.append(_Bucket(i, buf, g, i == len(groups) - 1))
+    originals = [b.buffer().clone() for b in buckets]
+    return buckets, originals
+
+
+def _methods(r: int, r_min: int, alpha: float) -> list[tuple[str, Any]]:
+    ranks = sorted({r_min, max(r_min, r // 2), r})
+    out: list[tuple[str, Any]] = [("none", None), ("torch-powersgd", None), ("powersgd", None)]
+    out += [(f"edgc r={k}", k) for k in ranks]
+    return out
+
+
+def _make(name: str, k: int | None, args: argparse.Namespace):
+    if name == "none":
+        return AllReduceState(None), allreduce_hook
+    if name == "torch-powersgd":
+        return TorchPowerSGDState(None, rank=args.rank, start_iter=1), torch_powersgd_hook
+    if name == "powersgd":
+        cfg = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=0)
+    else:
+        cfg = EDGCConfig(policy="cqm", max_rank=k, min_rank=k, warmup_steps=0, window=1000,
+                         iteration_sample_rate=args.alpha)
+    return EDGCState(None, cfg), edgc_hook
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One replica: time every method's sync; rank 0 writes the results as JSON."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    shapes = [p.shape for p in build_model(args.preset, vocab_size=args.vocab, device="meta").parameters()]
+    buckets, originals = _buckets(shapes, int(args.bucket_mb * 2**20), seed=rank)
+    r_min = max(1, args.rank // 4)
+    rows = []
+    for name, k in _methods(args.rank, r_min, args.alpha):
+        state, hook = _make(name, k, args)
+        times, stats_before = [], None
+        for step in range(args.warmup + args.steps):
+            for b, o in zip(buckets, originals):
+                b.buffer().copy_(o)
+            if step == args.warmup:
+                stats_before = state.stats()
+            dist.barrier()
+            t0 = time.perf_counter()
+            futures = [hook(state, b) for b in buckets]
+            for f in futures:
+                f.wait()
+            t = torch.tensor([time.perf_counter() - t0])
+            # collective (benchmark only): the slowest replica's time
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                times.append(float(t))
+        stats = state.stats()
+        rows.append({
+            "method": name, "rank": k if k is not None else (0 if name == "none" else args.rank),
+            "bytes": (stats.bytes_sent - stats_before.bytes_sent) / args.steps,
+            "bytes_uncompressed": (stats.bytes_uncompressed - stats_before.bytes_uncompressed) / args.steps,
+            "sync_s": statistics.median(times),
+            "compress_s": (stats.compress_seconds - stats_before.compress_seconds) / args.steps,
+            "entropy_s": (stats.entropy_seconds - stats_before.entropy_seconds) / args.steps,
+        })
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def format_table(rows: list[dict[str, Any]], world: int, bits_per_second: float | None) -> str:
+    base = next(r for r in rows if r["method"] == "none")
+    head = "| method | rank | MB/step | sync (ms) | vs none | compress (ms) | entropy (ms) |"
+    sep = "|---|---|---|---|---|---|---|"
+    if bits_per_second:
+        head += " ring limit (ms) | efficiency |"
+        sep += "---|---|"
+    lines = [head, sep]
+    for r in rows:
+        # torch's hook mixes its arithmetic with its waits: no separate compression time
+        compress = "n/a" if r["method"] == "torch-powersgd" else f"{r['compress_s'] * 1e3:.1f}"
+        line = (f"| {r['method']} | {r['rank'] or '-'} | {r['bytes'] / 1e6:.3f} | {r['sync_s'] * 1e3:.1f} | "
+                f"{r['sync_s'] / base['sync_s']:.2f} | {compress} | {r['entropy_s'] * 1e3:.2f} |")
+        if bits_per_second:
+            limit = ring_allreduce_seconds(r["bytes"], world, bits_per_second)
+            line += f" {limit * 1e3:.1f} | {limit / r['sync_s']:.0%} |"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("comm", help="time one step's gradient sync per method on an emulated cluster")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's)")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--bandwidth", default="200mbit", help="per-link rate, each direction (tc syntax)")
+    p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
+    p.add_argument("--rank", type=int, default=32, help="r_max (EDGC moves in [r_max/4, r_max])")
+    p.add_argument("--alpha", type=float, default=0.1, help="EDGC iteration sampling rate")
+    p.add_argument("--steps", type=int, default=10, help="measured steps (at least 1/alpha to include an entropy sample)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--out", default=None, help="write the markdown table here too")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker_out:
+        worker(args)
+        return 0
+    cluster = Cluster(args.nproc, None if args.loopback else args.bandwidth)
+    if not args.loopback:
+        try:
+            Cluster.check()
+        except NetnsUnavailable as exc:
+            raise ValueError(str(exc)) from None
+    out_json = Path(os.path.abspath(f".edgc-bench-comm-{os.getpid()}.json"))
+    argv = ["bench", "comm", "--preset", args.preset, "--rank", str(args.rank), "--alpha", str(args.alpha),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb),
+            "--worker-out", str(out_json)]
+    if args.vocab:
+        argv += ["--vocab", str(args.vocab)]
+    try:
+        with cluster:
+            run_on_cluster(cluster, argv, timeout=args.timeout)
+        rows = json.loads(out_json.read_text())
+    finally:
+        out_json.unlink(missing_ok=True)
+    link = "loopback (no limit)" if args.loopback else f"{args.bandwidth} per link, each direction"
+    n_params = sum(math.prod(p.shape) for p in build_model(args.preset, vocab_size=args.vocab, device="meta").parameters())
+    title = (f"edgc bench comm: {args.preset} ({n_params / 1e6:.1f}M parameters), {args.nproc} workers, {link}; "
+             f"median of {args.steps} steps; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n")
+    text = title + format_table(rows, args.nproc, cluster.bits_per_second)
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
