@@ -119,17 +119,18 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from edgc.bench import comm
+    from edgc.bench import comm, train
 
     p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster")
     kinds = p.add_subparsers(dest="bench", required=True)
     comm.add_parser(kinds)
+    train.add_parser(kinds)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from edgc.bench import comm
+    from edgc.bench import comm, train
 
-    return {"comm": comm.run}[args.bench](args)
+    return {"comm": comm.run, "train": train.run}[args.bench](args)
 
 
 COMMANDS = {

@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from edgc.entropy import ESTIMATORS
+from edgc.policy.cqm import METHODS as CQM_METHODS
+
 POLICIES = ("cqm", "linear", "static")
-ESTIMATORS = ("histogram", "gaussian")
-CQM_METHODS = ("mp", "montecarlo")
 
 
 @dataclass(kw_only=True)

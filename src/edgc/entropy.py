@@ -26,7 +26,7 @@ so every estimator makes one or two passes over the sample and no full-size copi
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

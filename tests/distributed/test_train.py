@@ -115,3 +115,21 @@ def test_config_file_sets_fields(tmp_path, data_dir):
     saved = json.loads((out / "config.json").read_text())
     assert saved["method"] == "powersgd" and saved["steps"] == 3
     assert saved["edgc"]["max_rank"] == 2 and saved["edgc"]["policy"] == "static"
+
+
+def test_under_torchrun(tmp_path, data_dir):
+    import subprocess
+    import sys
+
+    from edgc.train.launch import free_port
+
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "edgc", *_args(data_dir, out, "--method", "edgc", "--steps", "4", "--edgc-warmup-steps", "1")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["world_size"] == 2
+    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["phase"] == "compress"
+    assert (out / "summary.md").is_file()

@@ -129,9 +129,7 @@ def test_scaling_shifts_differential_entropy_by_log_c(dtype: torch.dtype, c: flo
     assert histogram_entropy(y) - histogram_entropy(x) == pytest.approx(shift, abs=1e-4)
     assert gaussian_entropy(y) - gaussian_entropy(x) == pytest.approx(shift, abs=1e-4)
     # The release's discrete entropy does not see the scale at all.
-    assert histogram_entropy(y, differential=False) == pytest.approx(
-        histogram_entropy(x, differential=False), abs=1e-6
-    )
+    assert histogram_entropy(y, differential=False) == pytest.approx(histogram_entropy(x, differential=False), abs=1e-6)
 
 
 # --- non-finite and degenerate input ------------------------------------------------

@@ -33,7 +33,7 @@ def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float, env: di
     them). Raises WorkerError with the first failing worker's output; on a timeout or
     Ctrl-C every worker is killed.
     """
-    port = free_port() if not cluster.emulated else 29500
+    port = free_port()  # free on the host; inside fresh namespaces every port is free
     base = {
         **os.environ, **(env or {}),
         "MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(cluster.n),

@@ -1,0 +1,156 @@
+"""`edgc bench train`: the same training, method by method, on an emulated slow-link cluster.
+
+Every method runs `edgc train` with the same seed, data, model and steps on the same
+cluster (one network namespace per worker, links limited with tc tbf), one method after
+the other. The report compares step time, tokens/s, time in gradient communication, total
+bytes, final validation loss and perplexity, and the training time needed to reach a
+target validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from edgc.bench.cluster import run_on_cluster
+from edgc.bench.netns import Cluster, NetnsUnavailable
+from edgc.models import PRESETS
+from edgc.train.config import TrainConfig
+from edgc.train.report import report
+from edgc.train.summary import load_run, summarize
+from edgc.train.trainer import ensure_data
+
+__all__ = ["add_parser", "run", "time_to_target"]
+
+MODES = {"quick": 100, "full": 600}
+
+
+def _method_args(spec: str, rank: int) -> tuple[str, list[str]]:
+    """Run name and `edgc train` arguments for a method spec like "powersgd-rmin"."""
+    r_min = max(1, rank // 4)
+    table = {
+        "none": ["--method", "none"],
+        "torch-powersgd": ["--method", "torch-powersgd", "--rank", str(rank)],
+        "powersgd-rmax": ["--method", "powersgd", "--rank", str(rank)],
+        "powersgd-rmin": ["--method", "powersgd", "--rank", str(r_min)],
+        "edgc": ["--method", "edgc", "--rank", str(rank)],
+    }
+    if spec not in table:
+        raise ValueError(f"unknown method {spec!r}; choose from {sorted(table)}")
+    return spec, table[spec]
+
+
+def time_to_target(records: list[dict], target: float) -> float:
+    """Training seconds (summed step times, evaluation excluded) until the first validation
+    loss at or below `target`; inf if never reached."""
+    elapsed, by_step = 0.0, {}
+    for r in records:
+        if r.get("kind") == "train":
+            elapsed += r["step_time"]
+            by_step[r["step"]] = elapsed
+    for r in records:
+        if r.get("kind") == "val" and r["val_loss"] is not None and r["val_loss"] <= target:
+            return by_step.get(r["step"], math.inf)
+    return math.inf
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="end-to-end training per method on an emulated cluster")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--bandwidth", default="200mbit", help="per-link rate, each direction (tc syntax)")
+    p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
+    p.add_argument("--mode", choices=sorted(MODES), default="quick", help="quick: 100 steps; full: 600")
+    p.add_argument("--steps", type=int, default=None, help="override the mode's step count")
+    p.add_argument("--methods", default="none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc")
+    p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="validation loss for time-to-target (default: the worst final loss of all methods)")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-<time>)")
+    p.add_argument("--timeout", type=float, default=3 * 3600, help="per method, seconds")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options")
+
+
+def run(args: argparse.Namespace) -> int:
+    steps = args.steps or MODES[args.mode]
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    extra = [a for a in args.train_args if a != "--"]
+    specs = [_method_args(m.strip(), args.rank) for m in args.methods.split(",") if m.strip()]
+    if not args.loopback:
+        try:
+            Cluster.check()
+        except NetnsUnavailable as exc:
+            raise ValueError(str(exc)) from None
+    base = TrainConfig(preset=args.preset, steps=steps, nproc=args.nproc)
+    data = ensure_data(base)  # tokenise once, before any worker starts
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    with Cluster(args.nproc, None if args.loopback else args.bandwidth) as cluster:
+        for name, method_args in specs:
+            run_dir = out / name
+            print(f"[bench] {name}: {steps} steps on {args.nproc} workers ...", flush=True)
+            t0 = time.perf_counter()
+            run_on_cluster(cluster, ["train", "--preset", args.preset, "--steps", str(steps), "--data", str(data),
+                                     "--out", str(run_dir), "--no-progress", *method_args, *extra],
+                           timeout=args.timeout)
+            print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+            runs.append(run_dir)
+    table = report(runs, out)
+    text = _bench_markdown(args, steps, runs, table, cluster)
+    (out / "bench.md").write_text(text)
+    print(text, end="")
+    print(f"report: {out / 'bench.md'}")
+    return 0
+
+
+def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], table: str, cluster: Cluster) -> str:
+    loaded = [(d.name, *load_run(d)) for d in runs]
+    sums = {n: summarize(n, c, r) for n, c, r in loaded}
+    comm = {n: _mean_comm_time(r) for n, _, r in loaded}
+    target = args.target_loss or max(s.final_val_loss for s in sums.values())
+    base = sums.get("none")
+    lines = [
+        "| run | step time (ms) | vs none | tokens/s | comm time / step (ms) | comm vs none | "
+        f"MB sent | val loss | vs none | time to val loss {target:.3f} (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, _, records in loaded:
+        s = sums[name]
+        ttt = time_to_target(records, target)
+        lines.append(
+            f"| {name} | {s.mean_step_time * 1e3:.0f} | {_ratio(s.mean_step_time, base and base.mean_step_time)} | "
+            f"{s.mean_tokens_per_s:,.0f} | {comm[name] * 1e3:.0f} | {_ratio(comm[name], comm.get('none'))} | "
+            f"{s.total_bytes / 1e6:.1f} | {s.final_val_loss:.4f} | "
+            f"{_ratio(s.final_val_loss, base and base.final_val_loss, pct=True)} | "
+            f"{'not reached' if math.isinf(ttt) else f'{ttt:.1f}'} |"
+        )
+    link = "loopback, no limit" if args.loopback else f"{args.bandwidth} per link each way (tc tbf, namespaces)"
+    return (
+        f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.\n\n"
+        + "\n".join(lines) + "\n\n" + table
+        + "\nStep and communication times leave out the first 5% of steps. Communication time is the time "
+        "inside the gradient-sync hook (all methods wait for their collectives there).\n\n"
+        "![loss](loss.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
+    )
+
+
+def _mean_comm_time(records: list[dict]) -> float:
+    """Mean per-step gradient-communication time, leaving out the first 5% of steps."""
+    train = [r for r in records if r.get("kind") == "train"]
+    timed = train[len(train) // 20 :] or train
+    return sum(r["comm_time"] for r in timed) / len(timed)
+
+
+def _ratio(value: float, base: float | None, pct: bool = False) -> str:
+    if not base:
+        return "-"
+    if pct:
+        return f"{(value / base - 1) * 100:+.2f}%"
+    return f"{value / base:.2f}x"

@@ -1,0 +1,101 @@
+"""The emulated cluster harness and the benchmarks."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from edgc.bench.cluster import run_on_cluster
+from edgc.bench.comm import ring_allreduce_seconds
+from edgc.bench.netns import Cluster, NetnsUnavailable, parse_rate
+from edgc.bench.train import time_to_target
+from edgc.cli import main
+from edgc.train.launch import WorkerError
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces and tc need root and iproute2",
+)
+
+
+def _namespaces(prefix):
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.startswith(prefix)]
+
+
+def test_ring_formula_by_hand():
+    # 4 ranks, 1 MB at 200 Mbit/s: 2*3/4 * 8e6 bits / 2e8 = 0.06 s, plus 6 latency terms
+    assert ring_allreduce_seconds(1e6, 4, 2e8) == pytest.approx(0.06)
+    assert ring_allreduce_seconds(1e6, 4, 2e8, latency=1e-3) == pytest.approx(0.066)
+    assert ring_allreduce_seconds(1e6, 1, 2e8) == 0.0
+
+
+def test_parse_rate():
+    assert parse_rate("200mbit") == 2e8
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("25mbps") == 2e8
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_rate("fast")
+
+
+def test_time_to_target():
+    recs = [{"kind": "train", "step": s, "step_time": 0.5} for s in range(1, 5)]
+    recs += [{"kind": "val", "step": 2, "val_loss": 3.0}, {"kind": "val", "step": 4, "val_loss": 2.0}]
+    assert time_to_target(recs, 2.5) == 2.0
+    assert time_to_target(recs, 3.0) == 1.0
+    assert time_to_target(recs, 1.0) == float("inf")
+
+
+@needs_root
+def test_cluster_sets_up_rate_limited_links_and_tears_down():
+    prefix = f"edgct{os.getpid()}"
+    with Cluster(2, "100mbit", prefix=prefix) as c:
+        assert len(_namespaces(prefix)) == 3
+        qdisc = subprocess.run(c.command(0, ["tc", "qdisc", "show", "dev", "eth0"]), capture_output=True, text=True)
+        assert "tbf" in qdisc.stdout and "100Mbit" in qdisc.stdout
+        # worker 0 reaches worker 1 through the bridge
+        probe = [sys.executable, "-c", f"import socket; socket.create_connection(('{c.addr(1)}', 9), 2)"]
+        reach = subprocess.run(c.command(0, probe), capture_output=True, text=True)
+        assert "refused" in reach.stderr.lower()  # an answer (RST) from worker 1: the link works
+    assert _namespaces(prefix) == []
+
+
+@needs_root
+def test_cluster_tears_down_after_a_worker_crash():
+    prefix = f"edgcc{os.getpid()}"
+    with pytest.raises(WorkerError, match="exited"):
+        with Cluster(2, "200mbit", prefix=prefix) as c:
+            run_on_cluster(c, ["train", "--method", "nonsense"], timeout=120)
+    assert _namespaces(prefix) == []
+
+
+def test_unavailable_without_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(NetnsUnavailable, match="--loopback"):
+        Cluster.check()
+
+
+def test_comm_benchmark_loopback_two_workers(tmp_path, capsys):
+    out = tmp_path / "comm.md"
+    assert main(["bench", "comm", "--loopback", "--nproc", "2", "--steps", "2", "--warmup", "1",
+                 "--rank", "8", "--out", str(out)]) == 0
+    text = out.read_text()
+    for method in ("| none |", "| torch-powersgd |", "| powersgd |", "| edgc r=2 |", "| edgc r=8 |"):
+        assert method in text
+    rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| ")}
+    # bytes per step: rank 8 compresses, and sends fewer bytes than uncompressed
+    assert float(rows["powersgd"][3]) < float(rows["none"][3])
+    assert float(rows["edgc r=2"][3]) < float(rows["edgc r=8"][3])
+
+
+@pytest.mark.slow
+def test_bench_train_loopback(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "train", "--loopback", "--nproc", "2", "--steps", "6", "--methods", "none,edgc",
+                 "--rank", "4", "--out", str(out), "--", "--batch-size", "2", "--block-size", "32",
+                 "--eval-batches", "2", "--edgc-warmup-steps", "2"]) == 0
+    text = (out / "bench.md").read_text()
+    assert "| none |" in text and "| edgc |" in text
+    assert (out / "loss.png").is_file() and (out / "edgc" / "metrics.jsonl").is_file()
