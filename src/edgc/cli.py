@@ -133,11 +133,24 @@ def _bench(args: argparse.Namespace) -> int:
     return {"comm": comm.run, "train": train.run}[args.bench](args)
 
 
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from edgc.bench import simulate
+
+    simulate.add_parser(sub)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from edgc.bench import simulate
+
+    return simulate.run(args)
+
+
 COMMANDS = {
     "train": (_add_train, _train),
     "prepare": (_add_prepare, _prepare),
     "report": (_add_report, _report),
     "bench": (_add_bench, _bench),
+    "simulate": (_add_simulate, _simulate),
 }
 
 

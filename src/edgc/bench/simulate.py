@@ -42,10 +42,12 @@ import re
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -57,6 +59,7 @@ from edgc.entropy import estimate_entropy, sample_gradient
 from edgc.models.gpt2 import GPT, PRESETS, build_model
 from edgc.policy.dac import dac_ranks
 from edgc.policy.window import limit_rank
+from edgc.train.config import load_config_file
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +74,17 @@ __all__ = [
     "StepProjection",
     "add_parser",
     "bundled_clusters",
+    "format_projection",
     "load_cluster",
     "parse_bandwidth",
     "parse_schedule",
+    "profile_needs",
     "ring_allreduce_time",
     "run",
     "simulate",
     "stage_gradients",
     "stage_sync",
+    "wire_crossover_rank",
 ]
 
 # The paper's headline figures (arXiv 2511.10333; EDGC_SPEC.md, "Reported setup and results").
@@ -96,7 +102,7 @@ _PROFILE_VERSION = 1
 # Cluster description
 
 
-def parse_bandwidth(value: str | float | int) -> float:
+def parse_bandwidth(value: str | float) -> float:
     """Return a bandwidth in bytes per second.
 
     A number is taken as bytes/s. A string uses tc's rate syntax, shared with
@@ -104,9 +110,7 @@ def parse_bandwidth(value: str | float | int) -> float:
     and "25gbit" are bits per second; "25Gbps" is, as in tc, 25 giga*bytes* per second.
     Raises ValueError for anything else or a non-positive value.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"bandwidth {value!r}: expected a number of bytes/s or a rate like 100gbit")
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"bandwidth {value!r} must be a positive number of bytes/s")
         return float(value)
@@ -203,7 +207,7 @@ class ClusterSpec:
             )
         if self.link_sharing is not None and (not isinstance(self.link_sharing, int) or self.link_sharing < 1):
             raise ValueError(f"ClusterSpec.link_sharing={self.link_sharing!r}: must be a positive integer or None")
-        if not (math.isfinite(self.latency) and self.latency >= 0):
+        if not (isinstance(self.latency, (int, float)) and math.isfinite(self.latency) and self.latency >= 0):
             raise ValueError(f"ClusterSpec.latency={self.latency!r}: must be seconds >= 0")
         if (self.step_compute_s is None) == (self.achieved_flops is None):
             raise ValueError(f"ClusterSpec {self.name!r}: give exactly one of step_compute_s and achieved_flops")
@@ -241,7 +245,7 @@ class ClusterSpec:
         return self.backward_fraction * compute_s / (self.micro_batches + self.pp - 1)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ClusterSpec":
+    def from_dict(cls, values: dict[str, Any]) -> ClusterSpec:
         """Build from a mapping (e.g. a parsed TOML file); an unknown key raises ValueError naming it."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -266,8 +270,6 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     Raises ValueError for an unknown name or an invalid file, FileNotFoundError for a
     missing path.
     """
-    from edgc.train.config import load_config_file
-
     path = Path(name_or_path)
     if not path.is_file() and path.suffix not in (".toml", ".json") and os.sep not in name_or_path:
         names = bundled_clusters()
@@ -442,6 +444,21 @@ class CostProfile:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def _time_round(self, mat: torch.Tensor, r: int, gen: torch.Generator) -> float:
+        """Seconds of one low-rank round on the batch `mat` (B, m, n) at rank r."""
+        b, m, n = mat.shape
+        q0 = torch.randn((b, n, r), generator=gen).to(self.device, self.dtype)  # (B, n, r)
+        p = torch.empty((b, m, r), device=self.device, dtype=self.dtype)
+        q = torch.empty((b, n, r), device=self.device, dtype=self.dtype)
+
+        def one_round() -> None:
+            project_p(mat, q0, out=p)  # (B, m, r)
+            orthogonalize_(p)
+            project_q(mat, p, out=q)  # (B, n, r)
+            reconstruct(p, q)  # (B, m, n)
+
+        return self._time(one_round)
+
     def ensure_lowrank(self, shapes: dict[tuple[int, int], int], ranks: Sequence[int]) -> None:
         """Measure every missing (m, n, min(r, m, n)) for `shapes` {(m, n): count} and `ranks`."""
         gen = torch.Generator().manual_seed(0)
@@ -453,19 +470,8 @@ class CostProfile:
             b = max(1, min(count, self.max_batch))
             mat = torch.randn((b, m, n), generator=gen).to(self.device, self.dtype)  # (B, m, n)
             for r in todo:
-                q0 = torch.randn((b, n, r), generator=gen).to(self.device, self.dtype)  # (B, n, r)
-                p = torch.empty((b, m, r), device=self.device, dtype=self.dtype)
-                q = torch.empty((b, n, r), device=self.device, dtype=self.dtype)
-
-                def one_round() -> None:
-                    project_p(mat, q0, out=p)  # (B, m, r)
-                    orthogonalize_(p)
-                    project_q(mat, p, out=q)  # (B, n, r)
-                    reconstruct(p, q)  # (B, m, n)
-
-                self.lowrank[(m, n, r)] = self._time(one_round) / b
+                self.lowrank[(m, n, r)] = self._time_round(mat, r, gen) / b
                 self.measured += 1
-            del mat
             self.sources.add(self._source())
             self.measure_seconds += time.perf_counter() - t_start
             logger.info("profiled (%s, %s) x%s at ranks %s in %.2fs", m, n, b, todo, time.perf_counter() - t_start)
@@ -503,7 +509,7 @@ class CostProfile:
         elif r > points[-1][0]:
             t = points[-1][1] * r / points[-1][0]
         else:
-            (r0, t0), (r1, t1) = next((a, b) for a, b in zip(points, points[1:]) if a[0] < r < b[0])
+            (r0, t0), (r1, t1) = next((a, b) for a, b in pairwise(points) if a[0] < r < b[0])
             t = t0 + (t1 - t0) * (r - r0) / (r1 - r0)
         return t * self.compute_scale
 
@@ -637,12 +643,12 @@ def _schedule_rank(schedule: Sequence[tuple[float, float]], fraction: float, ran
     if fraction < schedule[0][0]:
         return None
     value = schedule[-1][1]
-    for (f0, r0), (f1, r1) in zip(schedule, schedule[1:]):
+    for (f0, r0), (f1, r1) in pairwise(schedule):
         if f0 <= fraction < f1:
             value = r0 + (r1 - r0) * (fraction - f0) / (f1 - f0)
             break
     low = int(min(r for _, r in schedule))
-    return limit_rank(value, int(round(value)), r_min=max(1, low), r_max=rank_max, step=None, multiple=multiple)
+    return limit_rank(value, round(value), r_min=max(1, low), r_max=rank_max, step=None, multiple=multiple)
 
 
 @dataclass(frozen=True)
@@ -823,6 +829,7 @@ def profile_needs(stages: Sequence[StageGradients], opts: SimOptions) -> tuple[d
 def simulate(cluster: ClusterSpec, profile: CostProfile, opts: SimOptions) -> Projection:
     """Project none, static PowerSGD and EDGC (two DAC variants) onto `cluster`.
 
+    The model is the cluster's preset with its position embedding sized to `seq_len`.
     Measures into `profile` whatever it lacks (see `profile_needs`); returns the Projection.
     """
     model = build_model(cluster.preset, block_size=cluster.seq_len, device="meta")
@@ -948,32 +955,30 @@ def format_projection(proj: Projection, profile: CostProfile) -> str:
     c, o = proj.cluster, proj.options
     base = proj.method("none")
     gbit = 8e-9
+    flops = f" (6 x params x tokens / ({c.gpus} x {c.achieved_flops / 1e12:g} TFLOP/s))" if c.achieved_flops else ""
+    sources = "; ".join(sorted(profile.sources)) or "none"
+    on_cpu = any(s.startswith("cpu") for s in profile.sources)
+    warning = " -- CPU times, NOT a GPU's" if on_cpu and profile.compute_scale == 1 else ""
     lines = [
         f"## edgc simulate: {c.preset} ({proj.n_params / 1e9:.2f}B parameters) on {c.name}",
         "",
-        f"- layout: {c.gpus} GPUs = TP{c.tp} x PP{c.pp} x DP{c.dp}, {c.gpus_per_node} GPUs/node; "
-        f"{c.micro_batches} micro-batches of {c.micro_batch} x {c.seq_len} tokens per pipeline "
-        f"(global batch {c.global_batch}), {c.steps:,} steps",
-        f"- network (α–β): {c.bandwidth * gbit:g} Gbit/s per node shared by "
-        f"{c.link_sharing or c.gpus_per_node} rings -> {c.ring_bandwidth * gbit:g} Gbit/s "
-        f"({c.ring_bandwidth / 1e9:.3g} GB/s) per DP ring of N={c.dp}, α = {c.latency * 1e6:g} µs",
-        f"- compute: {proj.compute_s:.3f} s/step"
-        + (f" (6 x params x tokens / ({c.gpus} x {c.achieved_flops / 1e12:g} TFLOP/s))" if c.achieved_flops else "")
-        + f"; t_mb (backward per micro-batch) = {_ms(proj.t_mb)}",
-        "- gradient per GPU by stage: " + ", ".join(f"{s.numel / 1e6:.1f}M" for s in proj.stages)
-        + f" elements x {c.grad_bytes} bytes",
-        f"- ranks: r_max {o.rank_max}, r_min {o.resolved_rank_min}; EDGC stage-0 schedule "
-        + ", ".join(f"{f:g}:{r:g}" for f, r in o.schedule) + " (fraction:rank, uncompressed before the first)",
+        (f"- layout: {c.gpus} GPUs = TP{c.tp} x PP{c.pp} x DP{c.dp}, {c.gpus_per_node} GPUs/node; "
+         f"{c.micro_batches} micro-batches of {c.micro_batch} x {c.seq_len} tokens per pipeline "
+         f"(global batch {c.global_batch}), {c.steps:,} steps"),
+        (f"- network (α–β): {c.bandwidth * gbit:g} Gbit/s per node shared by "
+         f"{c.link_sharing or c.gpus_per_node} rings -> {c.ring_bandwidth * gbit:g} Gbit/s "
+         f"({c.ring_bandwidth / 1e9:.3g} GB/s) per DP ring of N={c.dp}, α = {c.latency * 1e6:g} µs"),
+        f"- compute: {proj.compute_s:.3f} s/step{flops}; t_mb (backward per micro-batch) = {_ms(proj.t_mb)}",
+        (f"- gradient per GPU by stage: {', '.join(f'{s.numel / 1e6:.1f}M' for s in proj.stages)} elements "
+         f"x {c.grad_bytes} bytes"),
+        (f"- ranks: r_max {o.rank_max}, r_min {o.resolved_rank_min}; EDGC stage-0 schedule "
+         f"{', '.join(f'{f:g}:{r:g}' for f, r in o.schedule)} (fraction:rank, uncompressed before the first)"),
+        f"- compression/entropy compute: measured on {sources}; scaled x{profile.compute_scale:g}{warning}",
+        "",
+        ("| method | stage ranks (first -> last step) | wire, crit. stage | compress+entropy | DP sync exposed "
+         "| vs none | step time | vs none | training time | vs none |"),
+        "|" + "---|" * 10,
     ]
-    sources = "; ".join(sorted(profile.sources)) or "none"
-    on_cpu = any(s.startswith("cpu") for s in profile.sources)
-    note = (f"- compression/entropy compute: measured on {sources}; scaled x{profile.compute_scale:g}"
-            + (" -- CPU times, NOT a GPU's, unless --compute-scale projects them" if on_cpu and profile.compute_scale == 1
-               else ""))
-    lines += [note, ""]
-    head = ("| method | stage ranks (first -> last step) | wire, crit. stage | compress+entropy | DP sync exposed "
-            "| vs none | step time | vs none | training time | vs none |")
-    lines += [head, "|" + "---|" * 10]
     for m in proj.methods:
         ranks = "-" if m.method == "none" else _ranks(m.first.ranks)
         if m.last.ranks != m.first.ranks:
@@ -985,37 +990,44 @@ def format_projection(proj: Projection, profile: CostProfile) -> str:
             f"{_hours(m.total_s)} | {vs(m.total_s, base.total_s)} |"
         )
     crossover = wire_crossover_rank(proj.stages[0], c, o)
+    if o.rank_max < crossover:
+        dac_note = (f"- DAC rule: r_max = {o.rank_max} is fixed, below the rank ({crossover}) at which stage 0's "
+                    "compressed wire time reaches the uncompressed one (where the release's calibration would "
+                    "put r_max); there the spec's rule 'r_p > r_max -> uncompressed' can send a stage "
+                    "uncompressed past its slack. 'DAC capped at r_max' runs such stages at r_max instead.")
+    else:
+        dac_note = (f"- DAC rule: r_max = {o.rank_max} is at or above the wire-time crossover rank ({crossover}), "
+                    "as the release's calibration would make it.")
+    scale_note = ("as measured" if profile.compute_scale == 1
+                  else f"multiplied by --compute-scale {profile.compute_scale:g} (an assumption about the target GPU)")
     lines += [
         "",
         "Means are over the steps after warm-up; training time covers all steps.",
         "",
-        f"Paper (measured, arXiv 2511.10333): communication latency down by up to "
-        f"{PAPER_COMM_REDUCTION * 100:.2f}%, training time down by up to {PAPER_TIME_REDUCTION * 100:.2f}%.",
+        (f"Paper (measured, arXiv 2511.10333): communication latency down by up to "
+         f"{PAPER_COMM_REDUCTION * 100:.2f}%, training time down by up to {PAPER_TIME_REDUCTION * 100:.2f}%."),
         "",
         "Assumptions that differ from, or are not given by, the paper's setup:",
         "",
-        "- network: the α–β numbers and link sharing come from the cluster file, not the paper; "
-        "every hop of a DP ring crosses nodes and the node's GPUs all sync at once (the DAC stagger "
-        "between stages on one node is ignored); the hook's concurrent uncompressed and P all-reduces "
-        "are serialised; no congestion, no NVLink, no overlap of sync with backward (as in edgc's hook).",
-        "- compute: one number per step (given, or 6·N·tokens at an assumed sustained FLOP/s); "
-        f"t_mb = {c.backward_fraction:.2f} of one of the (micro-batches + pp − 1) 1F1B slots; "
-        "pipeline activation traffic and the embedding-copy sync between first and last stage are left out.",
-        "- layout: blocks split evenly over stages, Megatron column/row tensor-parallel splits, "
-        "vocabulary split by ceil(V/tp) without Megatron's padding; tied head counted once on stage 0.",
-        "- EDGC's rank follows a fixed schedule standing in for the entropy trajectory (no window "
-        "rate limit, no error-check warm-up gate); the stage-0 rank is rounded to a multiple of "
-        f"{o.rank_multiple}; DAC uses each stage's own α–β + measured-compute T(r).",
-        f"- DAC rule: with r_max = {o.rank_max} fixed, far below the rank ({crossover}) at which stage 0's "
-        "compressed wire time reaches the uncompressed one, the spec's rule 'r_p > r_max -> uncompressed' "
-        "sends later stages uncompressed past their slack; the paper's calibrated r_max would sit near "
-        "that crossover. 'DAC capped at r_max' runs those stages at r_max instead.",
-        "- compression arithmetic: float32, timed per (m, n, r) on batches of up to "
-        f"{profile.max_batch} same-shape matrices and scaled by count, interpolated linearly between the "
-        "measured ranks; the GDS cost was timed once and scaled linearly with the gradient size; "
-        "both multiplied by --compute-scale.",
-        f"- error feedback, the non-finite checks and the r_max calibration probes are not costed; "
-        f"gradients travel as {c.grad_bytes}-byte values.",
+        ("- network: the α–β numbers and link sharing come from the cluster file, not the paper; "
+         "every hop of a DP ring crosses nodes and the node's GPUs all sync at once (the DAC stagger "
+         "between stages on one node is ignored); the hook's concurrent uncompressed and P all-reduces "
+         "are serialised; no congestion, no NVLink, no overlap of sync with backward (as in edgc's hook)."),
+        ("- compute: one number per step (given, or 6·N·tokens at an assumed sustained FLOP/s); "
+         f"t_mb = {c.backward_fraction:.2f} of one of the (micro-batches + pp − 1) 1F1B slots; "
+         "pipeline activation traffic and the embedding-copy sync between first and last stage are left out."),
+        ("- layout: blocks split evenly over stages, Megatron column/row tensor-parallel splits, "
+         "vocabulary split by ceil(V/tp) without Megatron's padding; tied head counted once on stage 0."),
+        ("- EDGC's rank follows a fixed schedule standing in for the entropy trajectory (no window "
+         "rate limit, no error-check warm-up gate); the stage-0 rank is rounded to a multiple of "
+         f"{o.rank_multiple}; DAC uses each stage's own α–β + measured-compute T(r)."),
+        dac_note,
+        ("- compression arithmetic: float32, timed per (m, n, r) on batches of up to "
+         f"{profile.max_batch} same-shape matrices and scaled by count, interpolated linearly between the "
+         "measured ranks; the GDS cost was timed once and scaled linearly with the gradient size; "
+         f"both {scale_note}."),
+        ("- error feedback, the non-finite checks and the r_max calibration probes are not costed; "
+         f"gradients travel as {c.grad_bytes}-byte values."),
     ]
     return "\n".join(lines) + "\n"
 

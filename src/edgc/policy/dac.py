@@ -16,7 +16,7 @@ maximum over the DP group, which is the caller's business.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["dac_ranks"]
 
