@@ -73,6 +73,9 @@ class GPTConfig:
 # normally overridden with the tokenizer's real vocab size.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=2048, block_size=128),
+    # "small": ~11M parameters, the largest that trains at a useful pace on a 2-core CPU;
+    # its 384-wide matrices compress like real GPT-2 layers do (rank 32 keeps ~10%).
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, vocab_size=2048, block_size=256),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
     "gpt2-345m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024),
     "gpt2-2.5b": GPTConfig(n_layer=52, n_head=24, n_embd=1920, vocab_size=50257, block_size=1024),

@@ -43,7 +43,7 @@ class TrainConfig:
     """Micro-steps per optimiser step (the hook runs on the last one only)."""
 
     block_size: int | None = None
-    """Context length; None: the preset's (capped at 128 for "tiny")."""
+    """Context length; None: the preset's."""
 
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
@@ -140,7 +140,7 @@ class TrainConfig:
         c = dataclasses.replace(self, edgc=dict(self.edgc))
         preset = PRESETS[c.preset]
         if c.block_size is None:
-            c.block_size = min(preset.block_size, 128) if c.preset == "tiny" else preset.block_size
+            c.block_size = preset.block_size
         if c.min_lr is None:
             c.min_lr = c.lr / 10
         if c.lr_warmup_steps is None:
