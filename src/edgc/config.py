@@ -145,11 +145,17 @@ class EDGCConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
         """Build from a mapping; an unknown key raises ValueError naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"EDGCConfig has no field(s) {unknown}; known: {sorted(known)}")
+        reject_unknown_fields(cls, values, "EDGCConfig has no field(s)")
         return cls(**values)
+
+
+def reject_unknown_fields(cls: type, values: dict[str, Any], message: str) -> None:
+    """Raise ValueError '<message> [...]; known: [...]' if `values` has keys that are not
+    fields of the dataclass `cls` (shared by every config's from_dict)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{message} {unknown}; known: {sorted(known)}")
 
 
 def _is_int(value: Any) -> bool:

@@ -54,10 +54,10 @@ import torch
 from edgc.bench.comm import ring_allreduce_seconds
 from edgc.bench.netns import parse_rate
 from edgc.compress import compressible, orthogonalize_, project_p, project_q, reconstruct
-from edgc.config import EDGCConfig
+from edgc.config import EDGCConfig, reject_unknown_fields
 from edgc.entropy import estimate_entropy, sample_gradient
 from edgc.models.gpt2 import GPT, PRESETS, build_model
-from edgc.policy.dac import dac_ranks
+from edgc.policy.dac import dac_ranks, smallest_rank
 from edgc.policy.window import limit_rank
 from edgc.train.config import load_config_file
 
@@ -247,10 +247,7 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ClusterSpec:
         """Build from a mapping (e.g. a parsed TOML file); an unknown key raises ValueError naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"ClusterSpec has no field(s) {unknown}; known: {sorted(known)}")
+        reject_unknown_fields(cls, values, "ClusterSpec has no field(s)")
         missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in values
                          and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         if missing:
@@ -917,14 +914,7 @@ def wire_crossover_rank(stage: StageGradients, cluster: ClusterSpec, opts: SimOp
     hi = max(min(m, k) for m, k in mats)
     if wire(hi) < plain:
         return hi
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if wire(mid) >= plain:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return smallest_rank(lambda r: wire(r) >= plain, 1, hi)
 
 
 # --------------------------------------------------------------------------------------

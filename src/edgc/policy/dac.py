@@ -18,9 +18,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["dac_ranks"]
+__all__ = ["dac_ranks", "smallest_rank"]
 
 TimeOfRank = Callable[[int], float]
+
+
+def smallest_rank(reaches: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The smallest integer r in [lo, hi] with reaches(r) True, by bisection.
+
+    `reaches` must be monotone (False ... False True ... True) and reaches(hi) True.
+    """
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reaches(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _per_stage(value, stages: int, name: str) -> list:
@@ -100,13 +114,7 @@ def dac_ranks(
         if t(r_max) < target:
             ranks.append(r_max if cap_at_r_max else None)  # T⁻¹(target) > r_max
             continue
-        lo, hi = r0, r_max  # invariant: T(hi) >= target; answer in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if t(mid) >= target:
-                hi = mid
-            else:
-                lo = mid + 1
+        lo = smallest_rank(lambda r: t(r) >= target, r0, r_max)  # T(r_max) >= target checked above
         r = -(-lo // multiple) * multiple  # round up to a multiple
         if r > r_max:
             r = r_max if cap_at_r_max else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgc.config import EDGCConfig
+from edgc.config import EDGCConfig, reject_unknown_fields
 from edgc.models import PRESETS
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc")
@@ -178,10 +178,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        reject_unknown_fields(cls, values, "unknown training option(s)")
         return cls(**values)
 
 
