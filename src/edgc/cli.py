@@ -14,15 +14,17 @@ from edgc.config import EDGCConfig
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from edgc.policy.dac import DACConfig
     from edgc.train.config import TrainConfig
 
     p = sub.add_parser("train", help="train a GPT-2 preset with a gradient-sync method",
                        description="Train a GPT-2 preset under DDP. Without torchrun it starts --nproc local "
                                    "gloo workers; under torchrun it joins the job (NCCL when CUDA is present).")
-    p.add_argument("--config", help="TOML or JSON file of training options (an [edgc] table for EDGCConfig)")
+    p.add_argument("--config", help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, "
+                                           "a [dac] table for DACConfig)")
     p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint")
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "edgc":
+        if f.name in ("edgc", "dac"):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -32,6 +34,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     group = p.add_argument_group("EDGCConfig fields (default: scaled to the run length)")
     for f in dataclasses.fields(EDGCConfig):
         group.add_argument("--edgc-" + f.name.replace("_", "-"), dest="edgc__" + f.name, type=_parse_value, default=None)
+    group = p.add_argument_group("DACConfig fields, with --pp > 1 (edgc.policy.dac)")
+    for f in dataclasses.fields(DACConfig):
+        group.add_argument("--dac-" + f.name.replace("_", "-"), dest="dac__" + f.name, type=_parse_value, default=None)
 
 
 def _parse_value(text: str):
@@ -48,11 +53,14 @@ def _train(args: argparse.Namespace) -> int:
 
     values: dict = load_config_file(args.config) if args.config else {}
     edgc_values = dict(values.pop("edgc", {}))
+    dac_values = dict(values.pop("dac", {}))
     for key, value in vars(args).items():
         if value is None or key in ("command", "config", "resume", "verbose"):
             continue
         if key.startswith("edgc__"):
             edgc_values[key[len("edgc__"):]] = value
+        elif key.startswith("dac__"):
+            dac_values[key[len("dac__"):]] = value
         else:
             values[key] = value
     if args.resume:
@@ -62,10 +70,13 @@ def _train(args: argparse.Namespace) -> int:
             base = json.loads(saved.read_text())
             base.pop("world_size", None)
             base_edgc = base.pop("edgc", {})
+            base_dac = base.pop("dac", {})
             base.update(values)
             values = base
             edgc_values = {**base_edgc, **edgc_values}
+            dac_values = {**base_dac, **dac_values}
     values["edgc"] = edgc_values
+    values["dac"] = dac_values
     cfg = TrainConfig.from_dict(values)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     run = train_distributed(cfg, resume=bool(args.resume)) if under_torchrun else train(cfg, resume=bool(args.resume))

@@ -24,7 +24,6 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,13 @@ import torch.distributed as dist
 from edgc.bench.cluster import run_on_cluster
 from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.comm import EDGCState, edgc_hook
-from edgc.comm.baselines import AllReduceState, TorchPowerSGDState, allreduce_hook, torch_powersgd_hook
+from edgc.comm.baselines import (
+    AllReduceState,
+    TorchPowerSGDState,
+    allreduce_hook,
+    torch_powersgd_hook,
+)
+from edgc.comm.buckets import FlatBucket
 from edgc.config import EDGCConfig
 from edgc.models import PRESETS, build_model
 
@@ -48,36 +53,7 @@ def ring_allreduce_seconds(nbytes: float, world: int, bits_per_second: float, la
     return 2 * (world - 1) * latency + 2 * (world - 1) / world * nbytes * 8 / bits_per_second
 
 
-@dataclass
-class _Bucket:
-    """What DDP's GradBucket offers the hooks, over a flat buffer of gradients."""
-
-    _index: int
-    _buffer: torch.Tensor
-    _params: list[torch.Tensor]
-    _last: bool
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for p in self._params:
-            out.append(self._buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
-
-    def is_last(self) -> bool:
-        return self._last
-
-
-def _buckets(shapes: list[torch.Size], cap_bytes: int, seed: int) -> tuple[list[_Bucket], list[torch.Tensor]]:
+def _buckets(shapes: list[torch.Size], cap_bytes: int, seed: int) -> tuple[list[FlatBucket], list[torch.Tensor]]:
     """Random gradients of `shapes` in DDP-like buckets (reverse order, ~cap_bytes each)."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.empty(s) for s in shapes]
@@ -92,7 +68,7 @@ def _buckets(shapes: list[torch.Size], cap_bytes: int, seed: int) -> tuple[list[
     buckets = []
     for i, g in enumerate(groups):
         buf = torch.randn(sum(p.numel() for p in g), generator=gen) * 1e-3
-        buckets.append(_Bucket(i, buf, g, i == len(groups) - 1))
+        buckets.append(FlatBucket(i, buf, g, i == len(groups) - 1))
     originals = [b.buffer().clone() for b in buckets]
     return buckets, originals
 

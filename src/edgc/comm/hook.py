@@ -98,7 +98,9 @@ class EDGCState:
     checkpoint and resume.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, config: EDGCConfig | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, config: EDGCConfig | None = None, *, alignment: Any = None
+    ) -> None:
         config = config if config is not None else EDGCConfig()
         if not isinstance(config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
@@ -108,10 +110,15 @@ class EDGCState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         logger.info("EDGC config: %s, world size %s", config, self.world_size)
+        # pipeline stage alignment (comm.pipeline.StageAlignment), or None outside a pipeline
+        self.alignment = alignment
 
         # internal state
         self.step = 0
         self.phase = "warmup"
+        self.applied_rank = 0  # rank of compressed steps; the controller's, or DAC's in a pipeline
+        self.stage_uncompressed = False  # DAC sent this stage uncompressed for the window
+        self.device: torch.device | None = None
         self.r_max = config.max_rank or 0
         self.r_min = config.resolved_min_rank(config.max_rank) if config.max_rank else 0
         self.controller = RankController(config.policy, rank_step=config.rank_step, rank_multiple=config.rank_multiple)
@@ -141,7 +148,9 @@ class EDGCState:
     @property
     def rank(self) -> int:
         """The rank used for compressed steps now (0 while uncompressed)."""
-        return self.controller.rank if self.phase == "compress" else 0
+        if self.phase != "compress" or self.stage_uncompressed:
+            return 0
+        return self.applied_rank
 
     def stats(self) -> EDGCStats:
         """A snapshot of this replica's counters."""
@@ -170,6 +179,9 @@ class EDGCState:
             "config": self.config.to_dict(),
             "step": self.step,
             "phase": self.phase,
+            "applied_rank": self.applied_rank,
+            "stage_uncompressed": self.stage_uncompressed,
+            "alignment": self.alignment.state_dict() if self.alignment is not None else None,
             "r_min": self.r_min,
             "r_max": self.r_max,
             "slot_shapes": [list(s) for s in self.slot_shapes],
@@ -221,6 +233,14 @@ class EDGCState:
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values", changed)
         self.step = int(d["step"])
         self.phase = d["phase"]
+        # (states written before pipelines existed lack the next three keys)
+        self.applied_rank = int(d.get("applied_rank", d["controller"]["rank"]))
+        self.stage_uncompressed = bool(d.get("stage_uncompressed", False))
+        if (d.get("alignment") is None) != (self.alignment is None):
+            raise ValueError("EDGC state and this job differ in pipeline stage alignment (DAC): "
+                             "a pipeline-stage state cannot resume outside a pipeline, or the reverse")
+        if self.alignment is not None:
+            self.alignment.load_state_dict(d["alignment"])
         self.r_min, self.r_max = int(d["r_min"]), int(d["r_max"])
         self._expected_shapes = [tuple(s) for s in d["slot_shapes"]]
         self.uncompressed_slots = list(d["uncompressed_slots"])
@@ -278,6 +298,7 @@ class EDGCState:
         t_start = time.perf_counter()
         comm_before, entropy_before = self.comm_seconds, self.entropy_seconds
         grads = self._assign_slots(pending)
+        self.device = grads[0].device
         self.step += 1
         step, cfg = self.step, self.config
         self.bytes_uncompressed += sum(b.numel() * b.element_size() for b, _, _ in pending)
@@ -291,12 +312,19 @@ class EDGCState:
             control = self._control(grads, [b for b, _, _ in pending], want_entropy, want_errors)
 
         # 2. The gradient itself.
-        if self.phase == "compress":
+        comm_start, nonfinite_start = self.comm_seconds, self.nonfinite_steps
+        if self.phase == "compress" and not self.stage_uncompressed:
             self._compressed_sync(grads)
+            if self.alignment is not None and self.nonfinite_steps == nonfinite_start:
+                self.alignment.observe_compressed(self.rank, self.comm_seconds - comm_start)
         else:
+            if self.phase == "compress":
+                self._flush_error_feedback(grads)
             t0 = time.perf_counter()
             self._plain_sync(grads)
             t_plain = time.perf_counter() - t0
+            if self.alignment is not None:
+                self.alignment.observe_uncompressed(self.comm_seconds - comm_start)
             if not self.calibration["done"]:
                 self._calibrate(grads, t_plain)
 
@@ -306,7 +334,13 @@ class EDGCState:
         if step % cfg.window == 0:
             self.controller.close_window()
             if self.phase == "compress":
-                self._set_rank(self.controller.decide())
+                rank: int | None = self.controller.decide()
+                if self.alignment is not None:
+                    rank = self.alignment.decide(self, rank, step)
+                self.stage_uncompressed = rank is None
+                if rank is not None:
+                    self.applied_rank = rank
+                    self._set_rank(rank)
         if self.phase == "warmup" and self.calibration["done"]:
             eps_min = float(control[_EPS_MIN]) if want_errors else math.nan
             eps_max = float(control[_EPS_MAX]) if want_errors else math.nan
@@ -418,6 +452,20 @@ class EDGCState:
             _scatter(flat, [grads[s] for s in self.uncompressed_slots])
         self.compressed_steps += 1
 
+    def _flush_error_feedback(self, grads: list[torch.Tensor]) -> None:
+        """Entering an uncompressed window in the compress phase: the residual the error
+        feedback holds is added to this step's gradient (so it is sent, not lost) and
+        zeroed. Skipped while the gradient is non-finite, which would poison nothing but
+        would lose the residual with the skipped step."""
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            return
+        for g in self.groups.values():
+            if g.error is None:
+                continue
+            for i, s in enumerate(g.slots):
+                grads[s].add_(g.error[i].view(grads[s].shape))
+            g.error.zero_()
+
     def _set_rank(self, rank: int) -> None:
         """Resize every group's Q to `rank` (capped by the matrix), keeping the warm start."""
         for g in self.groups.values():
@@ -445,6 +493,7 @@ class EDGCState:
             else:
                 self.uncompressed_slots.append(s)
         rank = self.controller.start(self.r_min, self.r_max, None)
+        self.applied_rank = rank
         ref = grads[0]
         self.groups = {}
         for shape in sorted(shapes):

@@ -15,10 +15,15 @@ maximum over the DP group, which is the caller's business.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["dac_ranks", "smallest_rank"]
+from edgc.config import reject_unknown_fields
+
+__all__ = ["DACConfig", "TimeModel", "dac_ranks", "smallest_rank", "stage_rank"]
 
 TimeOfRank = Callable[[int], float]
 
@@ -101,22 +106,173 @@ def dac_ranks(
     t_unc = _per_stage(t_uncompressed, stages, "t_uncompressed")
 
     t0 = times[0](r0)  # stage 0's predicted sync time, "broadcast" to the pipeline group
-    ranks: list[int | None] = []
-    for p in range(stages):
-        target = p * t_mb + t0
-        if target >= t_unc[p]:
-            ranks.append(None)
-            continue
-        if p == 0:
-            ranks.append(r0)
-            continue
-        t = times[p]
-        if t(r_max) < target:
-            ranks.append(r_max if cap_at_r_max else None)  # T⁻¹(target) > r_max
-            continue
-        lo = smallest_rank(lambda r: t(r) >= target, r0, r_max)  # T(r_max) >= target checked above
-        r = -(-lo // multiple) * multiple  # round up to a multiple
-        if r > r_max:
-            r = r_max if cap_at_r_max else None
-        ranks.append(r)
-    return ranks
+    return [
+        stage_rank(p, times[p], r0, t0, t_mb, r_max, t_unc[p], multiple=multiple, cap_at_r_max=cap_at_r_max)
+        for p in range(stages)
+    ]
+
+
+def stage_rank(
+    p: int,
+    t_of_rank: TimeOfRank,
+    r0: int,
+    t0: float,
+    t_mb: float,
+    r_max: int,
+    t_uncompressed: float,
+    multiple: int = 4,
+    cap_at_r_max: bool = False,
+) -> int | None:
+    """One stage's share of `dac_ranks`: what stage p decides once it has heard T₀ = `t0`
+    (and r0) from stage 0. `t_of_rank` and `t_uncompressed` are stage p's own. None means
+    uncompressed. Changes nothing."""
+    target = p * t_mb + t0
+    if target >= t_uncompressed:
+        return None
+    if p == 0:
+        return r0
+    if t_of_rank(r_max) < target:
+        return r_max if cap_at_r_max else None  # T⁻¹(target) > r_max
+    lo = smallest_rank(lambda r: t_of_rank(r) >= target, r0, r_max)  # T(r_max) >= target checked above
+    r = -(-lo // multiple) * multiple  # round up to a multiple
+    if r > r_max:
+        return r_max if cap_at_r_max else None
+    return r
+
+
+@dataclass
+class TimeModel:
+    """T(r): seconds of one stage's compressed gradient sync at rank r, fitted to measurements.
+
+    - "linear": least squares T = eta·r + intercept over the measured (rank, seconds) points.
+      With a single distinct rank it is the paper's T = eta·r through the origin.
+    - "interp": piecewise-linear through the mean time at each measured rank (the
+      release's choice); through the origin below the first point, and on the last
+      segment's slope above the last one.
+
+    Both are made non-decreasing in r (eta >= 0; running maximum of the means), which
+    `dac_ranks` needs for its bisection.
+    """
+
+    method: str
+    eta: float
+    intercept: float
+    ranks: list[float]
+    times: list[float]
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float]], method: str = "linear") -> TimeModel:
+        """Fit to (rank, seconds) samples; raises ValueError with no samples or an unknown method."""
+        if method not in TIME_MODELS:
+            raise ValueError(f"time model must be one of {TIME_MODELS}, got {method!r}")
+        points = [(float(r), float(t)) for r, t in samples if r > 0 and math.isfinite(t)]
+        if not points:
+            raise ValueError("T(r) needs at least one measured (rank, seconds) sample with rank > 0")
+        by_rank: dict[float, list[float]] = {}
+        for r, t in points:
+            by_rank.setdefault(r, []).append(t)
+        ranks = sorted(by_rank)
+        means = [sum(by_rank[r]) / len(by_rank[r]) for r in ranks]
+        for i in range(1, len(means)):  # non-decreasing
+            means[i] = max(means[i], means[i - 1])
+        if len(ranks) == 1:
+            eta, intercept = max(0.0, means[0] / ranks[0]), 0.0
+        else:
+            n = len(points)
+            mr = sum(r for r, _ in points) / n
+            mt = sum(t for _, t in points) / n
+            var = sum((r - mr) ** 2 for r, _ in points)
+            eta = max(0.0, sum((r - mr) * (t - mt) for r, t in points) / var)
+            intercept = mt - eta * mr
+        return cls(method, eta, intercept, ranks, means)
+
+    @classmethod
+    def given(cls, eta: float, intercept: float = 0.0) -> TimeModel:
+        """The fixed model T = eta·r + intercept (a profiled cluster, or a test)."""
+        return cls("linear", float(eta), float(intercept), [], [])
+
+    def __call__(self, r: float) -> float:
+        if self.method == "linear" or not self.ranks:
+            return self.eta * r + self.intercept
+        ranks, times = self.ranks, self.times
+        if r <= ranks[0]:
+            return times[0] * r / ranks[0]
+        for i in range(1, len(ranks)):
+            if r <= ranks[i]:
+                w = (r - ranks[i - 1]) / (ranks[i] - ranks[i - 1])
+                return times[i - 1] + w * (times[i] - times[i - 1])
+        slope = (times[-1] - times[-2]) / (ranks[-1] - ranks[-2]) if len(ranks) > 1 else times[0] / ranks[0]
+        return times[-1] + max(0.0, slope) * (r - ranks[-1])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "eta": self.eta, "intercept": self.intercept,
+                "ranks": list(self.ranks), "times": list(self.times)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TimeModel:
+        return cls(d["method"], float(d["eta"]), float(d["intercept"]), list(d["ranks"]), list(d["times"]))
+
+
+TIME_MODELS = ("linear", "interp")
+STAGE_RANKS = ("dac", "uniform")
+
+
+@dataclass(kw_only=True)
+class DACConfig:
+    """How pipeline stages choose their ranks (`edgc train --pp P`, `--dac-FIELD`)."""
+
+    stage_ranks: str = "dac"
+    """"dac": stage p runs T⁻¹(p·t_mb + T₀), aligned with stage 0; "uniform": every stage
+    runs stage 0's entropy-driven rank r₀ (the comparison the DAC is measured against)."""
+
+    time_model: str = "linear"
+    """T(r) fitted online to this run's measured sync times: "linear" or "interp"."""
+
+    eta: float | None = None
+    """Seconds per unit of rank, given instead of measured (with `intercept`): T = eta·r + c."""
+
+    intercept: float = 0.0
+    """c of the given model; used only with `eta`."""
+
+    t_mb: float | None = None
+    """Backward seconds per micro-batch, given instead of measured."""
+
+    t_uncompressed: float | None = None
+    """Seconds of one uncompressed sync, given instead of measured."""
+
+    multiple: int = 4
+    """Stage ranks after stage 0 are rounded up to a multiple of this (release: 4)."""
+
+    cap_at_r_max: bool = False
+    """Run r_max instead of uncompressed when T⁻¹(T_p) > r_max but T_p is below the
+    uncompressed time (a variant; the paper's rule goes uncompressed)."""
+
+    max_samples: int = 200
+    """Timing samples kept for the fit (the most recent)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if self.stage_ranks not in STAGE_RANKS:
+            raise ValueError(f"dac stage_ranks={self.stage_ranks!r}: must be one of {STAGE_RANKS}")
+        if self.time_model not in TIME_MODELS:
+            raise ValueError(f"dac time_model={self.time_model!r}: must be one of {TIME_MODELS}")
+        for name in ("eta", "t_mb", "t_uncompressed"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"dac {name}={v!r}: must be a finite number >= 0, or unset to measure it")
+        if not (isinstance(self.intercept, (int, float)) and math.isfinite(self.intercept)):
+            raise ValueError(f"dac intercept={self.intercept!r}: must be a finite number")
+        for name in ("multiple", "max_samples"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"dac {name}={v!r}: must be a positive integer")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DACConfig:
+        reject_unknown_fields(cls, values, "unknown DAC option(s)")
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg

@@ -47,12 +47,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict) -> None:
-    """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs."""
+def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,
+                     layout: tuple[int, int] | None = None) -> None:
+    """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs.
+
+    `layout` is (pp, dp); None means no pipeline, (1, world_size).
+    """
     saved = ckpt["train"]
     problems = []
     if ckpt["world_size"] != world_size:
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size}")
+    saved_layout = tuple(ckpt.get("layout", (1, ckpt["world_size"])))
+    layout = tuple(layout) if layout is not None else (1, world_size)
+    if saved_layout != layout:
+        problems.append(f"layout: checkpoint pp={saved_layout[0]} x dp={saved_layout[1]}, "
+                        f"this job pp={layout[0]} x dp={layout[1]}")
     if saved["preset"] != preset or ckpt["model_config"] != model_config:
         problems.append(f"model: checkpoint {saved['preset']} {ckpt['model_config']}, this job {preset} {model_config}")
     if saved["method"] != method:

@@ -11,8 +11,10 @@ from typing import Any
 
 from edgc.config import EDGCConfig, reject_unknown_fields
 from edgc.models import PRESETS
+from edgc.policy.dac import DACConfig
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc")
+SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(kw_only=True)
@@ -104,6 +106,28 @@ class TrainConfig:
     edgc: dict[str, Any] = field(default_factory=dict)
     """EDGCConfig overrides (any field); unspecified ones are scaled to the run (`resolve`)."""
 
+    pp: int = 1
+    """Pipeline stages. With pp > 1 the GPT-2 blocks are split into pp stages
+    (torch.distributed.pipelining); stage 0 holds the embedding, the last the head."""
+
+    dp: int | None = None
+    """Data-parallel replicas of each stage; None: world // pp. pp * dp must equal the world."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule with pp > 1: "1f1b" or "gpipe"."""
+
+    microbatches: int | None = None
+    """Micro-batches per step with pp > 1 (batch_size must divide by it); None: 2 * pp."""
+
+    sync_after_send: bool = True
+    """With pp > 1: run each stage's DP sync after its last input-gradient send, so the
+    stages' syncs overlap (see edgc.comm.pipeline); False keeps torch's placement inside
+    the last backward pass."""
+
+    dac: dict[str, Any] = field(default_factory=dict)
+    """DACConfig overrides (edgc.policy.dac) for the stage ranks of "edgc" and "powersgd"
+    with pp > 1."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
         def bad(name: str, why: str) -> None:
@@ -134,10 +158,44 @@ class TrainConfig:
                 f"make it with: edgc prepare TEXT_FILES_OR_FOLDERS --out {self.data}"
             )
         self.edgc_config()  # raises ValueError naming the EDGCConfig field
+        self.dac_config()
+        if self.schedule not in SCHEDULES:
+            bad("schedule", f"must be one of {SCHEDULES}")
+        for name in ("pp",):
+            if not isinstance(self.pp, int) or self.pp < 1:
+                bad(name, "must be a positive integer")
+        for name in ("dp", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                bad(name, "must be a positive integer or unset")
+        if self.pp > 1:
+            self.check_layout(self.nproc)
+            layers = PRESETS[self.preset].n_layer
+            if self.pp > layers:
+                bad("pp", f"the {self.preset} preset has {layers} blocks, fewer than pp({self.pp}) stages")
+            if self.method == "torch-powersgd":
+                bad("method", "torch-powersgd is not supported with pp > 1 (use powersgd, our static-rank compressor)")
+            if self.grad_accum != 1:
+                bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
+            mb = self.microbatches or 2 * self.pp
+            if self.batch_size % mb:
+                raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
+            if self.schedule == "1f1b" and mb < self.pp:
+                raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
+
+    def check_layout(self, world: int) -> None:
+        """Raise ValueError unless pp * dp == world, showing the arithmetic."""
+        dp = self.dp if self.dp is not None else world // self.pp
+        if self.pp * dp != world or dp < 1:
+            raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): the layout must use every worker exactly once")
+
+    def dac_config(self) -> DACConfig:
+        """The DACConfig of this run (defaults plus `dac` overrides); raises ValueError by name."""
+        return DACConfig.from_dict(dict(self.dac))
 
     def resolve(self) -> TrainConfig:
         """A copy with every None default filled in from the run length."""
-        c = dataclasses.replace(self, edgc=dict(self.edgc))
+        c = dataclasses.replace(self, edgc=dict(self.edgc), dac=dict(self.dac))
         preset = PRESETS[c.preset]
         if c.block_size is None:
             c.block_size = preset.block_size
@@ -150,6 +208,9 @@ class TrainConfig:
         if c.checkpoint_every is None:
             c.checkpoint_every = max(1, c.steps // 3)
         c.edgc = dataclasses.asdict(c.edgc_config())
+        c.dac = c.dac_config().to_dict()
+        if c.pp > 1 and c.microbatches is None:
+            c.microbatches = 2 * c.pp
         return c
 
     def edgc_config(self) -> EDGCConfig:

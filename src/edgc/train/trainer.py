@@ -77,6 +77,7 @@ def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
     a resumed run must match its checkpoint's world size, model and method.
     """
     cfg.validate()
+    cfg.check_layout(world_size)
     cfg = cfg.resolve()
     out = Path(cfg.out)
     if resume:
@@ -84,7 +85,8 @@ def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
         data = ensure_data(cfg)
         vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
         model_config = _model_config(cfg, vocab)
-        check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method, model_config=model_config)
+        check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method, model_config=model_config,
+                         layout=(cfg.pp, world_size // cfg.pp))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
             raise ValueError(f"checkpoint is at step {ckpt['step']}, not before step {end} "
@@ -183,6 +185,10 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    if cfg.pp > 1:
+        from edgc.train.pipeline import train_pipeline_worker  # (it imports this module)
+
+        return train_pipeline_worker(rank, world, cfg_dict, data_dir, resume)
     data = Path(data_dir)
     meta = json.loads((data / "meta.json").read_text())
     train_tokens, val_tokens = TokenFile(data / "train.bin"), TokenFile(data / "val.bin")
@@ -198,7 +204,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     if resume:
         ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
-                         model_config=_model_config(cfg, meta["vocab_size"]))
+                         model_config=_model_config(cfg, meta["vocab_size"]), layout=(1, world))
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         mine = ckpt["replicas"][rank]

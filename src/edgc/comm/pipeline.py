@@ -1,0 +1,238 @@
+"""Pipeline wiring: a PipelineStage whose data-parallel sync follows its last send, and the
+Dynamic Alignment Compressor's exchange between stages.
+
+Why the sync is moved. torch.distributed.pipelining lets DDP's reducer sync a stage's
+gradient inside the stage's last backward pass (`last_backward=True`), and the stage sends
+its input gradient to the previous stage only after that backward returns. So stage p's
+whole DP sync lies on the critical path of stages p-1 ... 0, the syncs of the stages run
+one after another, and there is no slack for DAC to align. `EDGCPipelineStage` runs every
+backward under `no_sync` and calls the same communication hook from the schedule's
+REDUCE_GRAD action, after the schedule has waited for its sends: stage p's sync then
+overlaps the last backward passes of stages p-1 ... 0, which is the setting in which
+EDGC_SPEC.md's DAC is derived. `sync_after_send=False` keeps torch's placement (to
+measure the difference).
+
+`StageAlignment` is the DAC at run time: it measures this stage's sync times and backward
+time per micro-batch, fits T(r) (policy/dac.py), hears T₀ and r₀ from stage 0 over the
+pipeline group, and agrees the stage's rank over its DP group. EDGCState calls it at each
+window end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from edgc.comm.buckets import sync_with_hook
+from edgc.policy.dac import DACConfig, TimeModel, stage_rank
+
+__all__ = ["EDGCPipelineStage", "StageAlignment", "StageTimes"]
+
+
+@dataclass
+class StageTimes:
+    """Wall-clock seconds of one stage in the current step (reset by the trainer)."""
+
+    forward: float = 0.0  # forward_one_chunk, all micro-batches
+    backward: float = 0.0  # backward passes, all micro-batches (sync excluded when after send)
+    backward_chunks: list[float] = field(default_factory=list)  # per micro-batch, for t_mb
+    sync: float = 0.0  # the DP gradient sync
+    sync_start: float = math.nan  # time.time() at the start of the sync
+    sync_end: float = math.nan  # time.time() at its end
+
+    def reset(self) -> None:
+        self.forward = self.backward = self.sync = 0.0
+        self.backward_chunks = []
+        self.sync_start = self.sync_end = math.nan
+
+
+class EDGCPipelineStage(PipelineStage):
+    """A PipelineStage over a DDP-wrapped stage module, with a communication hook that runs
+    after the stage's last send (see the module doc) and timings for DAC and the metrics."""
+
+    def __init__(
+        self,
+        submodule: DDP,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        *,
+        sync_after_send: bool = True,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if not isinstance(submodule, DDP):
+            raise TypeError(f"EDGCPipelineStage wraps a DistributedDataParallel module, got {type(submodule).__name__}")
+        super().__init__(submodule, stage_index, num_stages, device, group=group)
+        self.sync_after_send = sync_after_send
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.times = StageTimes()
+        self._hook: tuple[Any, Any] | None = None
+        self.alignment: StageAlignment | None = None
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Use `hook(state, bucket)` for this stage's DP gradient sync."""
+        if self.sync_after_send:
+            self._hook = (state, hook)
+        else:
+            self.submod.register_comm_hook(state, hook)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = super().forward_one_chunk(*args, **kwargs)
+        if torch.is_grad_enabled():  # not during evaluation
+            self.times.forward += time.perf_counter() - t0
+        return out
+
+    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        # after-send: DDP's reducer never syncs here (torch uses no_sync when not last)
+        sync_here = last_backward and not self.sync_after_send
+        t0 = time.perf_counter()
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=sync_here)
+        dt = time.perf_counter() - t0
+        if sync_here:  # this backward includes the DDP sync
+            self.times.sync_end = time.time()
+        else:
+            self.times.backward += dt
+            self.times.backward_chunks.append(dt)
+            if self.alignment is not None:
+                self.alignment.observe_backward(dt)
+        return result
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.sync_after_send and self.has_backward:  # (not in schedule.eval)
+            if self._hook is None:
+                raise RuntimeError("EDGCPipelineStage has no communication hook; call register_comm_hook first")
+            state, hook = self._hook
+            self.times.sync_start = time.time()
+            t0 = time.perf_counter()
+            sync_with_hook(list(self.submod.module.parameters()), state, hook, self.bucket_cap_bytes)
+            self.times.sync = time.perf_counter() - t0
+            self.times.sync_end = time.time()
+        super().perform_reduce_grad(grad_scale_factor)
+
+
+class StageAlignment:
+    """The DAC decision of one replica of pipeline stage `stage` (EDGC_SPEC.md, "DAC").
+
+    EDGCState calls `decide` at each window end with its entropy-driven rank. Collectives,
+    issued in this order by every rank of the job at the same step:
+      1. all-reduce SUM over the pipeline group of 4 float64: stage 0's T₀ = T(r₀) and r₀,
+         and every stage's measured t_mb (averaged: the spec's one t_mb);
+      2. all-reduce MAX over the DP group of the stage's rank (replicas agree on the max).
+    Timings are this replica's own measurements; a given `eta`, `t_mb` or `t_uncompressed`
+    in DACConfig replaces the measurement (then decisions are deterministic).
+    """
+
+    def __init__(self, stage: int, num_stages: int, pp_group: dist.ProcessGroup | None,
+                 config: DACConfig | None = None) -> None:
+        config = config if config is not None else DACConfig()
+        config.validate()
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} is outside 0 .. {num_stages - 1}")
+        self.stage, self.num_stages, self.pp_group, self.config = stage, num_stages, pp_group, config
+        self.samples: list[tuple[int, float]] = []  # (rank, seconds) of compressed syncs
+        self.uncompressed: list[float] = []  # seconds of uncompressed syncs
+        self.backward: list[float] = []  # seconds per micro-batch backward
+        self.decisions: list[dict[str, Any]] = []
+
+    # ---------------------------------------------------------------- measurements
+
+    def _keep(self, values: list, value: Any) -> None:
+        values.append(value)
+        del values[: max(0, len(values) - self.config.max_samples)]
+
+    def observe_compressed(self, rank: int, seconds: float) -> None:
+        self._keep(self.samples, (int(rank), float(seconds)))
+
+    def observe_uncompressed(self, seconds: float) -> None:
+        self._keep(self.uncompressed, float(seconds))
+
+    def observe_backward(self, seconds: float) -> None:
+        self._keep(self.backward, float(seconds))
+
+    def time_model(self) -> TimeModel | None:
+        """T(r) of this stage: the given one, the fit to its measurements, or None (none yet)."""
+        if self.config.eta is not None:
+            return TimeModel.given(self.config.eta, self.config.intercept)
+        return TimeModel.fit(self.samples, self.config.time_model) if self.samples else None
+
+    def t_mb(self) -> float:
+        if self.config.t_mb is not None:
+            return float(self.config.t_mb)
+        return sum(self.backward) / len(self.backward) if self.backward else 0.0
+
+    def t_uncompressed(self) -> float:
+        if self.config.t_uncompressed is not None:
+            return float(self.config.t_uncompressed)
+        return sum(self.uncompressed) / len(self.uncompressed) if self.uncompressed else math.inf
+
+    # ---------------------------------------------------------------- the decision
+
+    def decide(self, state: Any, r_entropy: int, step: int) -> int | None:
+        """This stage's rank for the next window (None: uncompressed), agreed over its DP
+        group. `state` is the stage's EDGCState (its DP group, r_max, device)."""
+        cfg, p = self.config, self.stage
+        model = self.time_model()
+        r_max = int(state.r_max)
+        msg = torch.zeros(4, dtype=torch.float64)
+        if p == 0:
+            msg[0] = model(r_entropy) if model is not None else 0.0
+            msg[1] = r_entropy
+        msg[2] = self.t_mb()
+        msg[3] = 1.0
+        # collective: all-reduce SUM of 4 float64 over the pipeline group (stage 0's T₀ and r₀, t_mb)
+        _all_reduce_cpu(msg, dist.ReduceOp.SUM, self.pp_group, state.device)
+        t0, r0, t_mb = float(msg[0]), int(round(float(msg[1]))), float(msg[2] / msg[3])
+        t_unc = self.t_uncompressed()
+        if cfg.stage_ranks == "uniform" or model is None:
+            local: int | None = r0
+        else:
+            local = stage_rank(p, model, r0, t0, t_mb, r_max, t_unc, multiple=cfg.multiple, cap_at_r_max=cfg.cap_at_r_max)
+        agreed_t = torch.tensor([float(local if local is not None else r_max + 1)], dtype=torch.float64)
+        # collective: all-reduce MAX of 1 float64 over the DP group (replicas take the maximum)
+        state._all_reduce(agreed_t, op=dist.ReduceOp.MAX, device_copy=state.device)
+        agreed_v = int(agreed_t[0])
+        agreed = None if agreed_v > r_max else agreed_v
+        self.decisions.append({
+            "step": step, "stage": p, "r_entropy": int(r_entropy), "r0": r0, "t0": t0, "t_mb": t_mb,
+            "t_uncompressed": t_unc if math.isfinite(t_unc) else None,
+            "model": model.to_dict() if model is not None else None, "r_max": r_max,
+            "local": local, "rank": agreed, "stage_ranks": cfg.stage_ranks,
+        })
+        return agreed
+
+    # ---------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "num_stages": self.num_stages, "samples": [list(s) for s in self.samples],
+                "uncompressed": list(self.uncompressed), "backward": list(self.backward),
+                "decisions": list(self.decisions)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if (d["stage"], d["num_stages"]) != (self.stage, self.num_stages):
+            raise ValueError(f"DAC state is for stage {d['stage']} of {d['num_stages']}, "
+                             f"this is stage {self.stage} of {self.num_stages}")
+        self.samples = [(int(r), float(t)) for r, t in d["samples"]]
+        self.uncompressed = [float(t) for t in d["uncompressed"]]
+        self.backward = [float(t) for t in d["backward"]]
+        self.decisions = list(d["decisions"])
+
+
+def _all_reduce_cpu(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
+    """All-reduce a small CPU tensor in place (through `device` where the backend needs it)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    if device is not None and device.type != "cpu":
+        moved = tensor.to(device)
+        dist.all_reduce(moved, op=op, group=group)
+        tensor.copy_(moved.cpu())
+    else:
+        dist.all_reduce(tensor, op=op, group=group)

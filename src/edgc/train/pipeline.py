@@ -1,0 +1,371 @@
+"""Pipeline × data-parallel training: GPT-2 split into stages with torch.distributed.pipelining,
+each stage a DDP module over its own data-parallel group, with EDGC and the DAC.
+
+Layout (a DeviceMesh of shape (pp, dp), names "pp" and "dp"): global rank = p * dp + d.
+Stage p of replica d talks to stages p±1 of replica d over the "pp" group, and syncs its
+gradient with the other replicas of stage p over the "dp" group.
+
+The model stays plain: `split_gpt` cuts a built GPT into stage modules. Stage 0 owns the
+token and position embeddings, the last stage the final norm and the head. GPT-2 ties the
+head to the token embedding; across stages the head gets its own copy of that matrix,
+both start equal, and after each step's DP sync their gradients are summed over the
+first and last stage of each replica (as Megatron does), so they stay equal and the
+pipelined model computes exactly what the unsplit one does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from edgc.comm import EDGCState, edgc_hook
+from edgc.comm.baselines import AllReduceState, allreduce_hook
+from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
+from edgc.config import EDGCConfig
+from edgc.data import TokenFile, get_batch
+from edgc.models import build_model
+from edgc.models.gpt2 import GPT
+from edgc.train.checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
+from edgc.train.config import TrainConfig
+from edgc.train.metrics import MetricsWriter
+from edgc.train.progress import ProgressDisplay
+
+__all__ = ["GPTStage", "split_gpt", "stage_blocks", "train_pipeline_worker"]
+
+
+def stage_blocks(n_layer: int, stages: int) -> list[range]:
+    """The block indices of each stage: as even as possible, earlier stages one fewer
+    (stage 0 also runs the embedding, the last stage the head)."""
+    if not 1 <= stages <= n_layer:
+        raise ValueError(f"cannot split {n_layer} blocks into {stages} stages")
+    base, extra = divmod(n_layer, stages)
+    sizes = [base + (1 if p >= stages - extra else 0) for p in range(stages)]
+    starts = [sum(sizes[:p]) for p in range(stages)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a GPT: (embedding) -> blocks -> (final norm, head).
+
+    Input: token ids (B, T) on stage 0, else hidden states (B, T, C). Output: logits
+    (B, T, V) on the last stage, else hidden states (B, T, C).
+    """
+
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.h = nn.ModuleList(model.h[i] for i in blocks)
+        if last:
+            self.ln_f = model.ln_f
+            self.lm_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
+            # the head's own copy of the tied matrix (the first stage keeps wte)
+            self.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device)  # (T,)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = block(x)  # (B, T, C)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return x
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The embedding on the first stage, the head on the last (None in between)."""
+        if self.first:
+            return self.wte.weight
+        if self.last:
+            return self.lm_head.weight
+        return None
+
+
+def split_gpt(model: GPT, stages: int) -> list[GPTStage]:
+    """Cut `model` into `stages` GPTStage modules (sharing its parameters, except the head's
+    copy of the tied embedding)."""
+    if stages < 2:
+        raise ValueError(f"a pipeline needs at least 2 stages, got {stages}")
+    ranges = stage_blocks(model.config.n_layer, stages)
+    return [GPTStage(model, r, p == 0, p == stages - 1) for p, r in enumerate(ranges)]
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class _Layout:
+    """This rank's place in the (pp, dp) mesh and its process groups."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None:
+        cfg.check_layout(world)
+        self.pp = cfg.pp
+        self.dp = world // cfg.pp
+        self.stage, self.replica = divmod(rank, self.dp)
+        mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+        # the tied embedding/head: first and last stage of each replica (every rank makes
+        # every group, in the same order, as new_group requires)
+        self.tied_group = None
+        if self.pp == 2:
+            self.tied_group = self.pp_group
+        else:
+            for d in range(self.dp):
+                g = dist.new_group([d, (self.pp - 1) * self.dp + d])
+                if d == self.replica and self.stage in (0, self.pp - 1):
+                    self.tied_group = g
+        self.first, self.last = self.stage == 0, self.stage == self.pp - 1
+
+
+def _attach(cfg: TrainConfig, layout: _Layout, stage: EDGCPipelineStage) -> Any:
+    """The stage's DP sync: plain all-reduce ("none") or EDGC with the DAC (edgc, powersgd)."""
+    if cfg.method == "none":
+        state: Any = AllReduceState(layout.dp_group)
+        stage.register_comm_hook(state, allreduce_hook)
+        return state
+    alignment = StageAlignment(layout.stage, layout.pp, layout.pp_group, cfg.dac_config())
+    state = EDGCState(layout.dp_group, EDGCConfig(**cfg.edgc), alignment=alignment)
+    stage.alignment = alignment
+    stage.register_comm_hook(state, edgc_hook)
+    return state
+
+
+def _loss_fn(microbatches: int):
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # mean over the micro-batch, divided by the micro-batch count: the micro-batches'
+        # gradients then sum to the whole batch's mean gradient before the DP sync
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+        return loss / microbatches
+    return loss_fn
+
+
+def _run(schedule: Any, layout: _Layout, x: torch.Tensor, y: torch.Tensor, eval_only: bool = False) -> float | None:
+    """One schedule step (or eval); returns the batch's mean loss on the last stage."""
+    call = schedule.eval if eval_only else schedule.step
+    losses: list[torch.Tensor] = []
+    if layout.first:
+        call(x)
+    elif layout.last:
+        call(target=y, losses=losses)
+    else:
+        call()
+    return float(sum(loss.detach().double() for loss in losses)) if layout.last else None
+
+
+def _clip(stage_mod: GPTStage, layout: _Layout, max_norm: float) -> torch.Tensor:
+    """Clip the whole pipeline's gradient norm (the tied matrix counted once, as unsplit)."""
+    params = [p for p in stage_mod.parameters() if p.grad is not None]
+    skip = stage_mod.lm_head.weight if layout.last and layout.pp > 1 else None
+    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device)
+    for p in params:
+        if p is not skip:
+            sq += p.grad.detach().double().pow(2).sum()
+    # collective: all-reduce SUM of 1 float64 over the pipeline group
+    dist.all_reduce(sq, group=layout.pp_group)
+    norm = sq.sqrt().float()
+    if max_norm > 0 and bool(torch.isfinite(norm)):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef)
+    return norm
+
+
+@torch.no_grad()
+def _evaluate(schedule: Any, layout: _Layout, val: TokenFile, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean validation loss over `cfg.eval_batches` fixed batches shared out over replicas."""
+    gen = torch.Generator().manual_seed(cfg.seed + 99991)  # the same batches as unsplit training
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(cfg.eval_batches):
+        x, y = get_batch(val, cfg.batch_size, cfg.block_size, gen, device)
+        if i % layout.dp == layout.replica:
+            loss = _run(schedule, layout, x, y, eval_only=True)
+            if loss is not None:
+                total += torch.tensor([loss, 1.0], dtype=torch.float64, device=device)
+    # collective (metrics only): all-reduce SUM of 2 float64 over the world
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+# Per-rank values gathered to rank 0 each step for the per-stage metrics.
+_FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompressed", "sync_start", "sync_end",
+           "step_start", "step_end", "forward", "backward", "sync", "entropy", "compress_time", "entropy_time")
+
+
+def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
+    """One rank of pipeline × data-parallel training. Rank 0 writes metrics and checkpoints."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    use_cuda = dist.get_backend() == "nccl"
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if use_cuda else torch.device("cpu")
+    layout = _Layout(cfg, rank, world, device)
+    data = Path(data_dir)
+    meta = json.loads((data / "meta.json").read_text())
+    train_tokens, val_tokens = TokenFile(data / "train.bin"), TokenFile(data / "val.bin")
+
+    torch.manual_seed(cfg.seed)  # every rank builds the same whole model, then keeps its stage
+    model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size)
+    stage_mod = split_gpt(model, layout.pp)[layout.stage].to(device)
+    del model
+    ddp = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
+              device_ids=[device.index] if use_cuda else None)
+    stage = EDGCPipelineStage(ddp, layout.stage, layout.pp, device, layout.pp_group,
+                              sync_after_send=cfg.sync_after_send, bucket_cap_mb=cfg.bucket_cap_mb)
+    hook_state = _attach(cfg, layout, stage)
+    mb = cfg.microbatches
+    schedule_cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
+    schedule = schedule_cls(stage, n_microbatches=mb, loss_fn=_loss_fn(mb), scale_grads=False)
+    opt = torch.optim.AdamW(_param_groups(stage_mod, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                            fused=use_cuda or None)
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + layout.replica)  # this replica's batches
+
+    from edgc.train.trainer import _model_config, lr_at  # (trainer imports this module lazily)
+
+    model_config = _model_config(cfg, meta["vocab_size"])
+    start = 0
+    if resume:
+        ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
+        check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
+                         layout=(layout.pp, layout.dp))
+        mine_stage = ckpt["stages"][layout.stage]
+        stage_mod.load_state_dict(mine_stage["model"])
+        opt.load_state_dict(mine_stage["optimizer"])
+        mine = ckpt["replicas"][rank]
+        hook_state.load_state_dict(mine["comm"])
+        gen.set_state(mine["generator"])
+        torch.set_rng_state(mine["torch_rng"])
+        start = int(ckpt["step"])
+        del ckpt
+
+    writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
+    display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
+    tokens_per_step = cfg.batch_size * cfg.block_size * layout.dp
+    prev = hook_state.stats()
+    skipped = 0
+    try:
+        last = min(cfg.steps, cfg.stop_after or cfg.steps)
+        for step in range(start + 1, last + 1):
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            stage.times.reset()
+            t_wall, t0 = time.time(), time.perf_counter()
+            x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)  # every stage draws alike
+            loss = _run(schedule, layout, x, y)
+            tied = stage_mod.tied_weight()
+            if layout.tied_group is not None and tied is not None:
+                # collective: all-reduce SUM of the tied matrix's gradient, first + last stage
+                dist.all_reduce(tied.grad, group=layout.tied_group)
+            norm = _clip(stage_mod, layout, cfg.grad_clip)
+            if torch.isfinite(norm):
+                opt.step()
+            else:  # the same norm on every stage (all-reduced): all skip alike
+                skipped += 1
+            opt.zero_grad(set_to_none=True)
+            if use_cuda:
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0
+
+            stats = hook_state.stats()
+            times = stage.times
+            mine = torch.tensor([
+                layout.stage, layout.replica, stats.rank if stats.phase == "compress" else 0,
+                stats.comm_seconds - prev.comm_seconds, stats.bytes_sent - prev.bytes_sent,
+                stats.bytes_uncompressed - prev.bytes_uncompressed, times.sync_start, times.sync_end,
+                t_wall, t_wall + step_time, times.forward, times.backward, times.sync, stats.entropy,
+                stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
+                loss if loss is not None else 0.0,
+            ], dtype=torch.float64, device=device)
+            prev = stats
+            gathered = [torch.empty_like(mine) for _ in range(world)]
+            # collective (metrics only): all-gather of 17 float64 per rank
+            dist.all_gather(gathered, mine)
+            rows = [dict(zip((*_FIELDS, "loss"), g.tolist())) for g in gathered]
+            record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
+            val_loss = None
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                val_loss = _evaluate(schedule, layout, val_tokens, cfg, device)
+            if writer is not None:
+                writer.write(record)
+                if val_loss is not None:
+                    writer.write({"step": step, "kind": "val", "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+            display.update(step, record, stats, val_loss)
+            if step % cfg.checkpoint_every == 0 or step == last:
+                _checkpoint(cfg, step, world, rank, layout, stage_mod, opt, hook_state, gen, model_config)
+    finally:
+        display.close()
+        if writer is not None:
+            writer.close()
+    alignment = getattr(hook_state, "alignment", None)
+    return {"skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
+            "decisions": alignment.decisions if alignment is not None else []}
+
+
+def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout, tokens_per_step: int,
+            grad_norm: float, skipped: int) -> dict[str, Any]:
+    """The step's metrics record: the usual fields (stage 0's compressor, one replica's
+    bytes over all its stages) plus per-stage lists, index = stage."""
+    by_stage = [[r for r in rows if int(r["stage"]) == p] for p in range(layout.pp)]
+    t_begin = min(r["step_start"] for r in rows)
+    step_time = max(r["step_end"] for r in rows) - t_begin
+    def worst(p: int, key: str) -> float:
+        return max(r[key] for r in by_stage[p])
+    stage_step = [worst(p, "step_end") - min(r["step_start"] for r in by_stage[p]) for p in range(layout.pp)]
+    replica0 = [next(r for r in by_stage[p] if int(r["replica"]) == 0) for p in range(layout.pp)]
+    s0 = replica0[0]
+    loss = sum(r["loss"] for r in by_stage[-1]) / len(by_stage[-1])
+    return {
+        "step": step, "kind": "train", "loss": loss, "lr": lr,
+        "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
+        "comm_time": max(worst(p, "comm_time") for p in range(layout.pp)),
+        "compress_time": s0["compress_time"], "entropy_time": s0["entropy_time"],
+        "bytes_sent": int(sum(r["bytes_sent"] for r in replica0)),
+        "bytes_uncompressed": int(sum(r["bytes_uncompressed"] for r in replica0)),
+        "rank": int(s0["rank"]), "entropy": s0["entropy"], "phase": "compress" if s0["rank"] else "warmup",
+        "grad_norm": grad_norm, "skipped": skipped,
+        "stage_rank": [int(r["rank"]) for r in replica0],
+        "stage_comm_time": [worst(p, "comm_time") for p in range(layout.pp)],
+        "stage_bytes_sent": [int(r["bytes_sent"]) for r in replica0],
+        # seconds from the step's start (earliest rank) to the end of each stage's DP sync
+        "stage_sync_end": [worst(p, "sync_end") - t_begin for p in range(layout.pp)],
+        # compute (forward + backward) and idle: the rest of the stage's step (bubbles,
+        # waiting for activations, gradients and the pipeline's collectives)
+        "stage_compute_time": [worst(p, "forward") + worst(p, "backward") for p in range(layout.pp)],
+        "stage_idle_time": [max(0.0, stage_step[p] - worst(p, "forward") - worst(p, "backward") - worst(p, "sync"))
+                            for p in range(layout.pp)],
+    }
+
+
+def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Layout, stage_mod: GPTStage,
+                opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, model_config: dict) -> None:
+    """Gather every rank's state to rank 0 (stage weights from replica 0), which writes atomically."""
+    mine: dict[str, Any] = {"comm": hook_state.state_dict(), "generator": gen.get_state(),
+                            "torch_rng": torch.get_rng_state()}
+    if layout.replica == 0:
+        mine["stage"] = {"model": {k: v.cpu() for k, v in stage_mod.state_dict().items()},
+                         "optimizer": opt.state_dict()}
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    # collective: gather of each rank's pickled state to rank 0
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        assert gathered is not None
+        stages = [gathered[p * layout.dp]["stage"] for p in range(layout.pp)]
+        replicas = [{k: v for k, v in g.items() if k != "stage"} for g in gathered]
+        save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
+            "step": step, "world_size": world, "layout": [layout.pp, layout.dp], "train": cfg.to_dict(),
+            "model_config": model_config, "stages": stages, "replicas": replicas,
+        })
+    dist.barrier()
