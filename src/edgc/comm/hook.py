@@ -112,6 +112,7 @@ class EDGCState:
         logger.info("EDGC config: %s, world size %s", config, self.world_size)
         # pipeline stage alignment (comm.pipeline.StageAlignment), or None outside a pipeline
         self.alignment = alignment
+        self._pending_alignment: tuple[int, int] | None = None
 
         # internal state
         self.step = 0
@@ -334,13 +335,12 @@ class EDGCState:
         if step % cfg.window == 0:
             self.controller.close_window()
             if self.phase == "compress":
-                rank: int | None = self.controller.decide()
                 if self.alignment is not None:
-                    rank = self.alignment.decide(self, rank, step)
-                self.stage_uncompressed = rank is None
-                if rank is not None:
-                    self.applied_rank = rank
-                    self._set_rank(rank)
+                    # the stage exchange waits for stage 0, which may still be in its
+                    # backward pass: the pipeline stage calls align() after its sends
+                    self._pending_alignment = (self.controller.decide(), step)
+                else:
+                    self._apply_rank(self.controller.decide())
         if self.phase == "warmup" and self.calibration["done"]:
             eps_min = float(control[_EPS_MIN]) if want_errors else math.nan
             eps_max = float(control[_EPS_MAX]) if want_errors else math.nan
@@ -451,6 +451,23 @@ class EDGCState:
             flat.div_(self.world_size)
             _scatter(flat, [grads[s] for s in self.uncompressed_slots])
         self.compressed_steps += 1
+
+    def align(self) -> None:
+        """In a pipeline: finish a window-end decision with the DAC exchange between stages
+        (comm.pipeline.StageAlignment). Called by the stage once its step's sends are done;
+        a no-op on other steps."""
+        if self._pending_alignment is None:
+            return
+        r_entropy, step = self._pending_alignment
+        self._pending_alignment = None
+        self._apply_rank(self.alignment.decide(self, r_entropy, step))
+
+    def _apply_rank(self, rank: int | None) -> None:
+        """Use `rank` from the next step on; None: uncompressed (a DAC decision)."""
+        self.stage_uncompressed = rank is None
+        if rank is not None:
+            self.applied_rank = rank
+            self._set_rank(rank)
 
     def _flush_error_feedback(self, grads: list[torch.Tensor]) -> None:
         """Entering an uncompressed window in the compress phase: the residual the error

@@ -76,12 +76,25 @@ class EDGCPipelineStage(PipelineStage):
         self.times = StageTimes()
         self._hook: tuple[Any, Any] | None = None
         self.alignment: StageAlignment | None = None
+        if sync_after_send:  # DDP's reducer must stay silent; a call would be a bug
+            submodule.register_comm_hook(None, _reducer_must_not_sync)
+
+    def no_sync(self) -> Any:
+        """Run each schedule step inside this (`with stage.no_sync(): schedule.step(...)`).
+
+        DDP arms its reducer in any forward with grad enabled outside `no_sync`, and an
+        armed reducer all-reduces in the next backward, no_sync or not. torch 2.13's
+        pipelining runs a shape-inference forward of the DDP module outside `no_sync` on
+        the first step, which armed the reducer for an extra, uncompressed all-reduce.
+        Inside this context only the backward that torch arms on purpose (the last one,
+        when syncing in the backward) reaches the reducer.
+        """
+        return self.submod.no_sync()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Use `hook(state, bucket)` for this stage's DP gradient sync."""
-        if self.sync_after_send:
-            self._hook = (state, hook)
-        else:
+        self._hook = (state, hook)
+        if not self.sync_after_send:
             self.submod.register_comm_hook(state, hook)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +129,13 @@ class EDGCPipelineStage(PipelineStage):
             sync_with_hook(list(self.submod.module.parameters()), state, hook, self.bucket_cap_bytes)
             self.times.sync = time.perf_counter() - t0
             self.times.sync_end = time.time()
+        if self.has_backward and self._hook is not None and hasattr(self._hook[0], "align"):
+            self._hook[0].align()  # a window-end DAC decision, now that the sends are done
         super().perform_reduce_grad(grad_scale_factor)
+
+
+def _reducer_must_not_sync(state, bucket):  # (unannotated: DDP checks annotations as objects)
+    raise RuntimeError("DDP's reducer tried to sync a pipeline stage whose sync runs after its last send")
 
 
 class StageAlignment:

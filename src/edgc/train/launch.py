@@ -115,6 +115,8 @@ def _collect(procs: list, out_dir: str) -> list[Any]:
             errors.append(f"worker {r} failed:\n{value}")
         results.append(value)
     if errors:
-        # the first traceback is usually the cause; the others are peers losing it
+        # a worker that crashed takes its peers down with "Connection closed by peer"
+        # errors; show the cause first, whichever rank it was on
+        errors.sort(key=lambda e: "Connection closed by peer" in e or "died without a result" in e)
         raise WorkerError("\n".join(errors[:2]))
     return results

@@ -15,6 +15,7 @@ pipelined model computes exactly what the unsplit one does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -154,16 +155,17 @@ def _loss_fn(microbatches: int):
     return loss_fn
 
 
-def _run(schedule: Any, layout: _Layout, x: torch.Tensor, y: torch.Tensor, eval_only: bool = False) -> float | None:
+def _run(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, x: torch.Tensor, y: torch.Tensor, eval_only: bool = False) -> float | None:
     """One schedule step (or eval); returns the batch's mean loss on the last stage."""
     call = schedule.eval if eval_only else schedule.step
     losses: list[torch.Tensor] = []
-    if layout.first:
-        call(x)
-    elif layout.last:
-        call(target=y, losses=losses)
-    else:
-        call()
+    with stage.no_sync():
+        if layout.first:
+            call(x)
+        elif layout.last:
+            call(target=y, losses=losses)
+        else:
+            call()
     return float(sum(loss.detach().double() for loss in losses)) if layout.last else None
 
 
@@ -186,14 +188,14 @@ def _clip(stage_mod: GPTStage, layout: _Layout, max_norm: float) -> torch.Tensor
 
 
 @torch.no_grad()
-def _evaluate(schedule: Any, layout: _Layout, val: TokenFile, cfg: TrainConfig, device: torch.device) -> float:
+def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: TokenFile, cfg: TrainConfig, device: torch.device) -> float:
     """Mean validation loss over `cfg.eval_batches` fixed batches shared out over replicas."""
     gen = torch.Generator().manual_seed(cfg.seed + 99991)  # the same batches as unsplit training
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(cfg.eval_batches):
         x, y = get_batch(val, cfg.batch_size, cfg.block_size, gen, device)
         if i % layout.dp == layout.replica:
-            loss = _run(schedule, layout, x, y, eval_only=True)
+            loss = _run(schedule, stage, layout, x, y, eval_only=True)
             if loss is not None:
                 total += torch.tensor([loss, 1.0], dtype=torch.float64, device=device)
     # collective (metrics only): all-reduce SUM of 2 float64 over the world
@@ -264,7 +266,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             stage.times.reset()
             t_wall, t0 = time.time(), time.perf_counter()
             x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)  # every stage draws alike
-            loss = _run(schedule, layout, x, y)
+            loss = _run(schedule, stage, layout, x, y)
             tied = stage_mod.tied_weight()
             if layout.tied_group is not None and tied is not None:
                 # collective: all-reduce SUM of the tied matrix's gradient, first + last stage
@@ -297,7 +299,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
             val_loss = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                val_loss = _evaluate(schedule, layout, val_tokens, cfg, device)
+                val_loss = _evaluate(schedule, stage, layout, val_tokens, cfg, device)
             if writer is not None:
                 writer.write(record)
                 if val_loss is not None:
@@ -310,7 +312,10 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         if writer is not None:
             writer.close()
     alignment = getattr(hook_state, "alignment", None)
-    return {"skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
+    digest = hashlib.sha256()
+    for t in stage_mod.state_dict().values():
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return {"param_digest": digest.hexdigest(), "skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
             "decisions": alignment.decisions if alignment is not None else []}
 
 
