@@ -1,0 +1,128 @@
+"""DAC at run time: T(r) fits, DACConfig, one stage's decision, and the GPT split."""
+
+import math
+
+import pytest
+import torch
+
+from edgc.comm.pipeline import StageAlignment
+from edgc.models import build_model
+from edgc.policy.dac import DACConfig, TimeModel, dac_ranks, stage_rank
+from edgc.train.pipeline import split_gpt, stage_blocks
+
+
+def test_linear_fit_recovers_a_line_and_through_origin_with_one_rank():
+    samples = [(r, 0.002 * r + 0.01) for r in (8, 16, 32) for _ in range(3)]
+    m = TimeModel.fit(samples, "linear")
+    assert m.eta == pytest.approx(0.002) and m.intercept == pytest.approx(0.01)
+    assert m(24) == pytest.approx(0.058)
+    one = TimeModel.fit([(16, 0.032), (16, 0.036)], "linear")  # the paper's T = eta * r
+    assert one.intercept == 0.0 and one(32) == pytest.approx(0.068)
+
+
+def test_fits_are_non_decreasing_even_on_noisy_decreasing_data():
+    samples = [(8, 0.05), (16, 0.04), (32, 0.03)]  # noise: bigger rank measured faster
+    for method in ("linear", "interp"):
+        m = TimeModel.fit(samples, method)
+        values = [m(r) for r in range(1, 65)]
+        assert all(b >= a for a, b in zip(values, values[1:])), method
+
+
+def test_interp_goes_through_the_means_and_extends_both_ends():
+    m = TimeModel.fit([(8, 0.02), (8, 0.04), (16, 0.05), (32, 0.09)], "interp")
+    assert m(8) == pytest.approx(0.03) and m(16) == pytest.approx(0.05) and m(32) == pytest.approx(0.09)
+    assert m(24) == pytest.approx(0.07)
+    assert m(4) == pytest.approx(0.015)  # through the origin below the first point
+    assert m(48) == pytest.approx(0.13)  # the last segment's slope above the last point
+    assert TimeModel.from_dict(m.to_dict()) == m
+
+
+def test_fit_rejects_no_samples_and_unknown_method():
+    with pytest.raises(ValueError, match="at least one"):
+        TimeModel.fit([], "linear")
+    with pytest.raises(ValueError, match="time model"):
+        TimeModel.fit([(4, 1.0)], "cubic")
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"stage_ranks": "max"}, "stage_ranks"), ({"time_model": "spline"}, "time_model"),
+    ({"eta": -1.0}, "eta"), ({"t_mb": math.nan}, "t_mb"), ({"multiple": 0}, "multiple"),
+    ({"bogus": 1}, "unknown DAC option"),
+])
+def test_dac_config_rejects_bad_values_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DACConfig.from_dict(bad)
+
+
+def test_stage_rank_is_dac_ranks_one_stage_at_a_time():
+    t = TimeModel.given(0.5, 1.0)
+    full = dac_ranks(t, 8, 3.0, 4, 32, 100.0)
+    t0 = t(8)
+    assert [stage_rank(p, t, 8, t0, 3.0, 32, 100.0) for p in range(4)] == full == [8, 16, 20, 28]
+
+
+class _State:
+    """What StageAlignment needs of an EDGCState, single process."""
+
+    def __init__(self, r_max):
+        self.r_max, self.device = r_max, torch.device("cpu")
+
+    def _all_reduce(self, tensor, op=None, device_copy=None):
+        pass
+
+
+def test_alignment_single_stage_decisions_follow_the_rule():
+    # a 1-process "pipeline group" carries this stage's own numbers: stage 1 sees T0 = 0, r0 = 0
+    a = StageAlignment(1, 2, None, DACConfig(t_mb=0.0035, t_uncompressed=1.0))
+    for r, t in [(8, 0.008), (16, 0.016), (32, 0.032)]:
+        a.observe_compressed(r, t)
+    assert a.decide(_State(32), 8, step=10) == 4  # T(r) = 1 ms * r >= 3.5 ms at r = 4
+    d = a.decisions[-1]
+    assert (d["stage"], d["r0"], d["t0"], d["t_mb"], d["local"], d["rank"]) == (1, 0, 0.0, 0.0035, 4, 4)
+    uniform = StageAlignment(0, 2, None, DACConfig(stage_ranks="uniform"))
+    uniform.observe_compressed(16, 0.02)
+    assert uniform.decide(_State(32), 12, step=10) == 12
+    # stage 0 goes uncompressed when T(r0) reaches the uncompressed time
+    s0 = StageAlignment(0, 2, None, DACConfig(eta=0.01, t_uncompressed=0.1))
+    assert s0.decide(_State(32), 8, step=5) == 8
+    assert s0.decide(_State(32), 12, step=10) is None
+    restored = StageAlignment(0, 2, None, DACConfig(eta=0.01, t_uncompressed=0.1))
+    restored.load_state_dict(s0.state_dict())
+    assert restored.decisions == s0.decisions
+    with pytest.raises(ValueError, match="stage 0 of 2"):
+        StageAlignment(1, 2, None).load_state_dict(s0.state_dict())
+
+
+def test_alignment_measures_t_mb_and_keeps_recent_samples():
+    a = StageAlignment(0, 2, None, DACConfig(max_samples=3))
+    assert a.time_model() is None and a.t_mb() == 0.0 and a.t_uncompressed() == math.inf
+    for t in (1.0, 2.0, 3.0, 4.0):
+        a.observe_backward(t)
+        a.observe_uncompressed(t)
+    assert a.t_mb() == 3.0 and a.t_uncompressed() == 3.0
+
+
+def test_stage_blocks_cover_every_block_once():
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_blocks(6, 4) == [range(0, 1), range(1, 2), range(2, 4), range(4, 6)]
+    with pytest.raises(ValueError, match="cannot split"):
+        stage_blocks(2, 3)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_split_gpt_computes_what_the_whole_model_does(stages):
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=128, block_size=16)
+    idx = torch.randint(0, 128, (2, 16))
+    want, _ = model(idx)
+    parts = split_gpt(model, stages)
+    x = idx
+    for part in parts:
+        x = part(x)
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+    # the head holds its own copy of the tied embedding, equal but not shared
+    assert torch.equal(parts[-1].lm_head.weight, parts[0].wte.weight)
+    assert parts[-1].lm_head.weight is not parts[0].wte.weight
+    n_whole = sum(p.numel() for p in model.parameters())
+    n_split = sum(p.numel() for part in parts for p in part.parameters())
+    assert n_split == n_whole + model.wte.weight.numel()
