@@ -33,10 +33,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, dest=f.name, type=_parse_value, default=None)
     group = p.add_argument_group("EDGCConfig fields (default: scaled to the run length)")
     for f in dataclasses.fields(EDGCConfig):
-        group.add_argument("--edgc-" + f.name.replace("_", "-"), dest="edgc__" + f.name, type=_parse_value, default=None)
+        # (absent unless given, so that "null" can be given: --edgc-max-rank null calibrates)
+        group.add_argument("--edgc-" + f.name.replace("_", "-"), dest="edgc__" + f.name, type=_parse_value,
+                           default=argparse.SUPPRESS)
     group = p.add_argument_group("DACConfig fields, with --pp > 1 (edgc.policy.dac)")
     for f in dataclasses.fields(DACConfig):
-        group.add_argument("--dac-" + f.name.replace("_", "-"), dest="dac__" + f.name, type=_parse_value, default=None)
+        group.add_argument("--dac-" + f.name.replace("_", "-"), dest="dac__" + f.name, type=_parse_value,
+                           default=argparse.SUPPRESS)
 
 
 def _parse_value(text: str):
@@ -55,7 +58,9 @@ def _train(args: argparse.Namespace) -> int:
     edgc_values = dict(values.pop("edgc", {}))
     dac_values = dict(values.pop("dac", {}))
     for key, value in vars(args).items():
-        if value is None or key in ("command", "config", "resume", "verbose"):
+        if key.startswith(("edgc__", "dac__")):
+            pass  # present only when given; None is a value ("null")
+        elif value is None or key in ("command", "config", "resume", "verbose"):
             continue
         if key.startswith("edgc__"):
             edgc_values[key[len("edgc__"):]] = value

@@ -130,3 +130,26 @@ def test_layout_errors_show_the_arithmetic(tmp_path, data_dir):
         TrainConfig(pp=2, nproc=2, batch_size=6, microbatches=4).validate()
     with pytest.raises(ValueError, match="unknown DAC option"):
         TrainConfig(pp=2, nproc=2, dac={"bogus": 1}).validate()
+
+
+@pytest.mark.slow
+def test_pipeline_under_torchrun_and_layout_error(tmp_path, data_dir):
+    import subprocess
+    import sys
+
+    from edgc.train.launch import free_port
+
+    def torchrun(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+               "-m", "edgc", "train", "--data", str(data_dir), "--out", str(out), "--batch-size", "4",
+               "--block-size", "32", "--eval-batches", "2", "--no-progress", "--rank", "4", "--method", "edgc",
+               "--steps", "4", "--edgc-warmup-steps", "1", "--edgc-window", "2", "--microbatches", "2", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+    proc = torchrun(tmp_path / "ok", "--pp", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "ok" / "config.json").read_text())["world_size"] == 4
+    train = [r for r in read_metrics(tmp_path / "ok" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and len(train[-1]["stage_rank"]) == 2
+    bad = torchrun(tmp_path / "bad", "--pp", "2", "--dp", "3")
+    assert bad.returncode != 0 and "pp(2) * dp(3) != world(4)" in bad.stderr

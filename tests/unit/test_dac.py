@@ -64,8 +64,9 @@ def test_stage_rank_is_dac_ranks_one_stage_at_a_time():
 class _State:
     """What StageAlignment needs of an EDGCState, single process."""
 
-    def __init__(self, r_max):
+    def __init__(self, r_max, applied_rank=8, r_min=2, stage_uncompressed=False):
         self.r_max, self.device = r_max, torch.device("cpu")
+        self.applied_rank, self.r_min, self.stage_uncompressed = applied_rank, r_min, stage_uncompressed
 
     def _all_reduce(self, tensor, op=None, device_copy=None):
         pass
@@ -91,6 +92,18 @@ def test_alignment_single_stage_decisions_follow_the_rule():
     assert restored.decisions == s0.decisions
     with pytest.raises(ValueError, match="stage 0 of 2"):
         StageAlignment(1, 2, None).load_state_dict(s0.state_dict())
+
+
+def test_measured_slack_spends_the_observed_wait():
+    a = StageAlignment(1, 2, None, DACConfig(slack="measured", eta=0.001, t_uncompressed=1.0))
+    for w in (0.005, 0.007):  # stage 1 waited 6 ms for stage 0 on average
+        a.observe_wait(w)
+    # budget = T(8) + 6 ms = 14 ms -> rank 14 -> 16; the waits are cleared for the next window
+    assert a.decide(_State(32, applied_rank=8), 8, step=10) == 16
+    assert a.decisions[-1]["budget"] == pytest.approx(0.014) and a.waits == []
+    # no wait: it keeps its time; a stage that was uncompressed starts from that time
+    assert a.decide(_State(32, applied_rank=12), 8, step=20) == 12
+    assert a.decide(_State(32, stage_uncompressed=True), 8, step=30) is None
 
 
 def test_alignment_measures_t_mb_and_keeps_recent_samples():

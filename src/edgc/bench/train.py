@@ -23,7 +23,7 @@ from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.models import PRESETS
 from edgc.train.config import TrainConfig
 from edgc.train.report import report
-from edgc.train.summary import load_run, summarize
+from edgc.train.summary import load_run, stage_table, summarize
 from edgc.train.trainer import ensure_data
 
 __all__ = ["add_parser", "run", "time_to_target"]
@@ -43,6 +43,7 @@ def _method_args(spec: str, rank: int) -> tuple[str, list[str]]:
         # with --pp > 1 (after --): the stage-rank rules DAC is compared with
         "edgc-uniform": ["--method", "edgc", "--rank", str(rank), "--dac-stage-ranks", "uniform"],
         "edgc-dac-cap": ["--method", "edgc", "--rank", str(rank), "--dac-cap-at-r-max", "true"],
+        "edgc-dac-measured": ["--method", "edgc", "--rank", str(rank), "--dac-slack", "measured"],
     }
     if spec not in table:
         raise ValueError(f"unknown method {spec!r}; choose from {sorted(table)}")
@@ -137,34 +138,11 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
     return (
         f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.\n\n"
-        + "\n".join(lines) + "\n\n" + _stage_table(loaded) + table
+        + "\n".join(lines) + "\n\n" + stage_table(loaded) + table
         + "\nStep and communication times leave out the first 5% of steps. Communication time is the time "
         "inside the gradient-sync hook (all methods wait for their collectives there).\n\n"
         "![loss](loss.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
-
-
-def _stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
-    """Per pipeline stage (runs with --pp > 1): mean rank, sync time and when the sync ends
-    (seconds from the step's start), and idle time, over compressed steps."""
-    lines = []
-    for name, _, records in loaded:
-        train = [r for r in records if r.get("kind") == "train" and "stage_rank" in r]
-        timed = [r for r in train[len(train) // 20 :] if r["phase"] == "compress"]
-        if not timed:
-            continue
-        for p in range(len(timed[0]["stage_rank"])):
-            def mean(key: str) -> float:
-                return sum(r[key][p] for r in timed) / len(timed)
-            uncompressed = sum(1 for r in timed if r["stage_rank"][p] == 0) / len(timed)
-            lines.append(f"| {name} | {p} | {mean('stage_rank'):.1f} | {uncompressed:.0%} | "
-                         f"{mean('stage_comm_time') * 1e3:.0f} | {mean('stage_sync_end') * 1e3:.0f} | "
-                         f"{mean('stage_idle_time') * 1e3:.0f} |")
-    if not lines:
-        return ""
-    return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start):\n\n"
-            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n")
 
 
 def _mean_comm_time(records: list[dict]) -> float:

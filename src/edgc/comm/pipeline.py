@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.comm.buckets import sync_with_hook
-from edgc.policy.dac import DACConfig, TimeModel, stage_rank
+from edgc.policy.dac import DACConfig, TimeModel, rank_for_budget, stage_rank
 
 __all__ = ["EDGCPipelineStage", "StageAlignment", "StageTimes"]
 
@@ -160,6 +160,7 @@ class StageAlignment:
         self.samples: list[tuple[int, float]] = []  # (rank, seconds) of compressed syncs
         self.uncompressed: list[float] = []  # seconds of uncompressed syncs
         self.backward: list[float] = []  # seconds per micro-batch backward
+        self.waits: list[float] = []  # seconds waited for the other stages after the sync, this window
         self.decisions: list[dict[str, Any]] = []
 
     # ---------------------------------------------------------------- measurements
@@ -176,6 +177,11 @@ class StageAlignment:
 
     def observe_backward(self, seconds: float) -> None:
         self._keep(self.backward, float(seconds))
+
+    def observe_wait(self, seconds: float) -> None:
+        """Seconds this stage waited, after its sync, in the step's first pipeline-wide
+        collective: how much earlier than the last stage to finish it was done."""
+        self._keep(self.waits, float(seconds))
 
     def time_model(self) -> TimeModel | None:
         """T(r) of this stage: the given one, the fit to its measurements, or None (none yet)."""
@@ -195,26 +201,48 @@ class StageAlignment:
 
     # ---------------------------------------------------------------- the decision
 
+    def _current_time(self, model: TimeModel | None, state: Any) -> float:
+        """Predicted seconds of this stage's sync at its present rank (or uncompressed)."""
+        if state.stage_uncompressed or model is None:
+            return self.t_uncompressed()
+        return model(state.applied_rank)
+
     def decide(self, state: Any, r_entropy: int, step: int) -> int | None:
         """This stage's rank for the next window (None: uncompressed), agreed over its DP
-        group. `state` is the stage's EDGCState (its DP group, r_max, device)."""
-        cfg, p = self.config, self.stage
+        group. `state` is the stage's EDGCState (its DP group, ranks, device)."""
+        cfg, p, n = self.config, self.stage, self.num_stages
         model = self.time_model()
         r_max = int(state.r_max)
-        msg = torch.zeros(4, dtype=torch.float64)
+        t_unc = self.t_uncompressed()
+        msg = torch.zeros(5 + n, dtype=torch.float64)
         if p == 0:
-            msg[0] = model(r_entropy) if model is not None else 0.0
+            t0_new = model(r_entropy) if model is not None else 0.0
+            msg[0] = t0_new
             msg[1] = r_entropy
+            now = self._current_time(model, state)
+            msg[4] = t0_new - now if math.isfinite(now) else 0.0
         msg[2] = self.t_mb()
         msg[3] = 1.0
-        # collective: all-reduce SUM of 4 float64 over the pipeline group (stage 0's T₀ and r₀, t_mb)
+        msg[5 + p] = sum(self.waits) / len(self.waits) if self.waits else 0.0
+        # collective: all-reduce SUM of 5 + stages float64 over the pipeline group
+        # (stage 0's T₀, r₀ and change of T₀; every stage's t_mb and mean wait)
         _all_reduce_cpu(msg, dist.ReduceOp.SUM, self.pp_group, state.device)
-        t0, r0, t_mb = float(msg[0]), int(round(float(msg[1]))), float(msg[2] / msg[3])
-        t_unc = self.t_uncompressed()
+        t0, r0, t_mb, dt0 = float(msg[0]), int(round(float(msg[1]))), float(msg[2] / msg[3]), float(msg[4])
+        waits = [float(w) for w in msg[5:]]
+        budget = None
         if cfg.stage_ranks == "uniform" or model is None:
             local: int | None = r0
+        elif cfg.slack == "measured" and p > 0:
+            # finish when stage 0 will: the time it has now, plus how much earlier than
+            # stage 0 it finished, plus how much longer stage 0's next sync will take
+            # (uncompressed only where the budget covers the uncompressed time: with a
+            # measured budget below it, sending uncompressed would overshoot, so a rank
+            # above r_max runs r_max)
+            budget = self._current_time(model, state) + (waits[p] - waits[0]) + dt0
+            local = rank_for_budget(model, budget, int(state.r_min), r_max, t_unc, cfg.multiple, cap_at_r_max=True)
         else:
-            local = stage_rank(p, model, r0, t0, t_mb, r_max, t_unc, multiple=cfg.multiple, cap_at_r_max=cfg.cap_at_r_max)
+            local = stage_rank(p, model, r0, t0, t_mb, r_max, t_unc, multiple=cfg.multiple,
+                               cap_at_r_max=cfg.cap_at_r_max)
         agreed_t = torch.tensor([float(local if local is not None else r_max + 1)], dtype=torch.float64)
         # collective: all-reduce MAX of 1 float64 over the DP group (replicas take the maximum)
         state._all_reduce(agreed_t, op=dist.ReduceOp.MAX, device_copy=state.device)
@@ -223,16 +251,18 @@ class StageAlignment:
         self.decisions.append({
             "step": step, "stage": p, "r_entropy": int(r_entropy), "r0": r0, "t0": t0, "t_mb": t_mb,
             "t_uncompressed": t_unc if math.isfinite(t_unc) else None,
-            "model": model.to_dict() if model is not None else None, "r_max": r_max,
+            "model": model.to_dict() if model is not None else None, "r_max": r_max, "r_min": int(state.r_min),
+            "slack": cfg.slack, "waits": waits, "dt0": dt0, "budget": budget,
             "local": local, "rank": agreed, "stage_ranks": cfg.stage_ranks,
         })
+        self.waits = []
         return agreed
 
     # ---------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "num_stages": self.num_stages, "samples": [list(s) for s in self.samples],
-                "uncompressed": list(self.uncompressed), "backward": list(self.backward),
+                "uncompressed": list(self.uncompressed), "backward": list(self.backward), "waits": list(self.waits),
                 "decisions": list(self.decisions)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -242,6 +272,7 @@ class StageAlignment:
         self.samples = [(int(r), float(t)) for r, t in d["samples"]]
         self.uncompressed = [float(t) for t in d["uncompressed"]]
         self.backward = [float(t) for t in d["backward"]]
+        self.waits = [float(t) for t in d["waits"]]
         self.decisions = list(d["decisions"])
 
 

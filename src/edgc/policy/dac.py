@@ -23,7 +23,7 @@ from typing import Any
 
 from edgc.config import reject_unknown_fields
 
-__all__ = ["DACConfig", "TimeModel", "dac_ranks", "smallest_rank", "stage_rank"]
+__all__ = ["DACConfig", "TimeModel", "dac_ranks", "rank_for_budget", "smallest_rank", "stage_rank"]
 
 TimeOfRank = Callable[[int], float]
 
@@ -126,14 +126,29 @@ def stage_rank(
     """One stage's share of `dac_ranks`: what stage p decides once it has heard T₀ = `t0`
     (and r0) from stage 0. `t_of_rank` and `t_uncompressed` are stage p's own. None means
     uncompressed. Changes nothing."""
-    target = p * t_mb + t0
+    if p == 0:
+        return r0 if t0 < t_uncompressed else None
+    return rank_for_budget(t_of_rank, p * t_mb + t0, r0, r_max, t_uncompressed, multiple, cap_at_r_max)
+
+
+def rank_for_budget(
+    t_of_rank: TimeOfRank,
+    target: float,
+    r_lo: int,
+    r_max: int,
+    t_uncompressed: float,
+    multiple: int = 4,
+    cap_at_r_max: bool = False,
+) -> int | None:
+    """The rank whose sync time T(r) fills `target` seconds: T⁻¹(target) rounded up to an
+    integer in [r_lo, r_max], then up to a multiple of `multiple`. None (uncompressed)
+    where target >= t_uncompressed or the rank would exceed r_max (r_max itself instead,
+    with `cap_at_r_max`)."""
     if target >= t_uncompressed:
         return None
-    if p == 0:
-        return r0
     if t_of_rank(r_max) < target:
         return r_max if cap_at_r_max else None  # T⁻¹(target) > r_max
-    lo = smallest_rank(lambda r: t_of_rank(r) >= target, r0, r_max)  # T(r_max) >= target checked above
+    lo = smallest_rank(lambda r: t_of_rank(r) >= target, r_lo, r_max)  # T(r_max) >= target checked above
     r = -(-lo // multiple) * multiple  # round up to a multiple
     if r > r_max:
         return r_max if cap_at_r_max else None
@@ -215,6 +230,7 @@ class TimeModel:
 
 TIME_MODELS = ("linear", "interp")
 STAGE_RANKS = ("dac", "uniform")
+SLACKS = ("t_mb", "measured")
 
 
 @dataclass(kw_only=True)
@@ -224,6 +240,14 @@ class DACConfig:
     stage_ranks: str = "dac"
     """"dac": stage p runs T⁻¹(p·t_mb + T₀), aligned with stage 0; "uniform": every stage
     runs stage 0's entropy-driven rank r₀ (the comparison the DAC is measured against)."""
+
+    slack: str = "t_mb"
+    """How much later stage 0's sync may end than stage p's: "t_mb" is the spec's p·t_mb;
+    "measured" uses how long each stage actually waited for stage 0 at the end of the
+    last window's steps (beyond the paper: the p·t_mb model ignores the send latency and
+    any contention between a stage's sync and its neighbours' backward passes). A stage
+    may then also go below r₀ (to r_min) when it finishes after stage 0, and a rank above
+    r_max runs r_max unless the budget covers the uncompressed time."""
 
     time_model: str = "linear"
     """T(r) fitted online to this run's measured sync times: "linear" or "interp"."""
@@ -254,6 +278,8 @@ class DACConfig:
         """Raise ValueError naming the first invalid field."""
         if self.stage_ranks not in STAGE_RANKS:
             raise ValueError(f"dac stage_ranks={self.stage_ranks!r}: must be one of {STAGE_RANKS}")
+        if self.slack not in SLACKS:
+            raise ValueError(f"dac slack={self.slack!r}: must be one of {SLACKS}")
         if self.time_model not in TIME_MODELS:
             raise ValueError(f"dac time_model={self.time_model!r}: must be one of {TIME_MODELS}")
         for name in ("eta", "t_mb", "t_uncompressed"):

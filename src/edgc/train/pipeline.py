@@ -267,11 +267,17 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             t_wall, t0 = time.time(), time.perf_counter()
             x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)  # every stage draws alike
             loss = _run(schedule, stage, layout, x, y)
+            t_synced = time.perf_counter()
             tied = stage_mod.tied_weight()
             if layout.tied_group is not None and tied is not None:
                 # collective: all-reduce SUM of the tied matrix's gradient, first + last stage
                 dist.all_reduce(tied.grad, group=layout.tied_group)
             norm = _clip(stage_mod, layout, cfg.grad_clip)
+            alignment = getattr(hook_state, "alignment", None)
+            if alignment is not None and not (alignment.decisions and alignment.decisions[-1]["step"] == hook_state.step):
+                # the first pipeline-wide collectives after the sync wait for the last stage
+                # to finish (on window ends the DAC exchange inside the sync did the waiting)
+                alignment.observe_wait(time.perf_counter() - t_synced)
             if torch.isfinite(norm):
                 opt.step()
             else:  # the same norm on every stage (all-reduced): all skip alike

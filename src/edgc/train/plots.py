@@ -21,7 +21,8 @@ def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[in
 
 
 def plot_runs(runs: list[Run], out_dir: str | Path) -> list[Path]:
-    """Write loss.png, entropy.png, rank.png and bytes.png for the runs; returns the paths."""
+    """Write loss.png, entropy.png, rank.png (per stage for pipeline runs), stages.png
+    (pipeline runs only) and bytes.png for the runs; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -45,10 +46,24 @@ def plot_runs(runs: list[Run], out_dir: str | Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, recs in runs:
-        s, v = _series(recs, "train", "rank")
-        ax.step(s, v, where="post", label=label)
+        stages = _stage_series(recs, "stage_rank")
+        if stages:  # a pipeline run: one line per stage
+            for p, (s, v) in enumerate(stages):
+                ax.step(s, v, where="post", label=f"{label} stage {p}")
+        else:
+            s, v = _series(recs, "train", "rank")
+            ax.step(s, v, where="post", label=label)
     ax.set(xlabel="step", ylabel="rank (0 = uncompressed)", title="Compression rank")
     paths.append(_save(fig, ax, out_dir / "rank.png"))
+
+    if any(_stage_series(recs, "stage_sync_end") for _, recs in runs):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, recs in runs:
+            for p, (s, v) in enumerate(_stage_series(recs, "stage_sync_end")):
+                ax.plot(s, [x * 1e3 for x in v], lw=1, alpha=0.8, label=f"{label} stage {p}")
+        ax.set(xlabel="step", ylabel="ms from the step's start",
+               title="When each pipeline stage's gradient sync ends")
+        paths.append(_save(fig, ax, out_dir / "stages.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     drawn_reference = False
@@ -62,6 +77,15 @@ def plot_runs(runs: list[Run], out_dir: str | Path) -> list[Path]:
     ax.set(xlabel="step", ylabel="cumulative MB per replica", title="Bytes handed to collectives")
     paths.append(_save(fig, ax, out_dir / "bytes.png"))
     return paths
+
+
+def _stage_series(records: list[dict[str, Any]], key: str) -> list[tuple[list[int], list[float]]]:
+    """Per pipeline stage (step, value) series of a per-stage list field; [] if absent."""
+    train = [r for r in records if r.get("kind") == "train" and r.get(key)]
+    if not train:
+        return []
+    stages = len(train[0][key])
+    return [([r["step"] for r in train], [r[key][p] for r in train]) for p in range(stages)]
 
 
 def _cumsum_mb(values: list[float]) -> list[float]:

@@ -38,7 +38,7 @@ class ProgressDisplay:
         ratio = stats.bytes_uncompressed / stats.bytes_sent if stats.bytes_sent else 1.0
         info = (f"loss {record['loss']:.3f}"
                 + (f" val {self.val_loss:.3f}" if self.val_loss is not None else "")
-                + f" | {record['phase']} rank {record['rank']} | {ratio:.1f}x fewer bytes")
+                + f" | {record['phase']} rank {_ranks(record)} | {ratio:.1f}x fewer bytes")
         if self.progress is not None:
             self.progress.update(self.task, completed=step, info=info)
         elif val_loss is not None or step == self.total:
@@ -47,3 +47,11 @@ class ProgressDisplay:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def _ranks(record: dict[str, Any]) -> str:
+    """The rank, or each pipeline stage's (u = uncompressed by DAC), e.g. "16/u"."""
+    stages = record.get("stage_rank")
+    if not stages or record["phase"] != "compress":
+        return str(record["rank"])
+    return "/".join(str(r) if r else "u" for r in stages)

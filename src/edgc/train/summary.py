@@ -11,7 +11,7 @@ from typing import Any
 from edgc.train.metrics import read_metrics
 from edgc.train.plots import plot_runs
 
-__all__ = ["RunSummary", "load_run", "summarize", "table", "write_summary"]
+__all__ = ["RunSummary", "load_run", "stage_table", "summarize", "table", "write_summary"]
 
 
 @dataclass
@@ -77,6 +77,38 @@ def table(summaries: list[RunSummary]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
+    """Per pipeline stage (runs with --pp > 1): mean rank, sync time and when the sync ends
+    (seconds from the step's start), and idle time, over compressed steps."""
+    lines = []
+    for name, _, records in loaded:
+        train = [r for r in records if r.get("kind") == "train" and "stage_rank" in r]
+        timed = [r for r in train[len(train) // 20 :] if r["phase"] == "compress"]
+        if not timed:
+            continue
+        for p in range(len(timed[0]["stage_rank"])):
+            def mean(key: str) -> float:
+                return sum(r[key][p] for r in timed) / len(timed)
+            uncompressed = sum(1 for r in timed if r["stage_rank"][p] == 0) / len(timed)
+            lines.append(f"| {name} | {p} | {mean('stage_rank'):.1f} | {uncompressed:.0%} | "
+                         f"{mean('stage_comm_time') * 1e3:.0f} | {mean('stage_sync_end') * 1e3:.0f} | "
+                         f"{mean('stage_idle_time') * 1e3:.0f} |")
+    if not lines:
+        return ""
+    return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start):\n\n"
+            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) |\n"
+            "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n")
+
+
+def _layout(config: dict[str, Any]) -> str:
+    world = config.get("world_size")
+    pp = config.get("pp", 1)
+    if pp > 1 and world:
+        return (f"{world} workers as {pp} pipeline stages x {world // pp} replicas "
+                f"({config.get('schedule')}, {config.get('microbatches')} micro-batches)")
+    return f"{world} workers"
+
+
 def write_summary(run_dir: str | Path) -> Path:
     """Write summary.md and the plots of one run folder; returns summary.md's path."""
     run_dir = Path(run_dir)
@@ -86,11 +118,13 @@ def write_summary(run_dir: str | Path) -> Path:
     ratio = s.total_bytes_uncompressed / s.total_bytes if s.total_bytes else 1.0
     text = (
         f"# Run {run_dir.name}\n\n"
-        f"{config['method']} on {config['preset']}, {config.get('world_size')} workers, {s.steps} steps.\n\n"
-        + table([s])
-        + f"\nBytes: {s.total_bytes / 1e6:.1f} MB sent per replica against "
+        f"{config['method']} on {config['preset']}, {_layout(config)}, {s.steps} steps.\n\n"
+        + table([s]) + "\n"
+        + stage_table([(run_dir.name, config, records)])
+        + f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages) against "
         f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce ({ratio:.2f}x fewer).\n\n"
         "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
+        + ("![stages](stages.png)\n" if (run_dir / "stages.png").is_file() else "")
     )
     path = run_dir / "summary.md"
     path.write_text(text)
