@@ -60,8 +60,8 @@ def plot_runs(runs: list[Run], out_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, recs in runs:
             for p, (s, v) in enumerate(_stage_series(recs, "stage_sync_end")):
-                ax.plot(s, [x * 1e3 for x in v], lw=1, alpha=0.8, label=f"{label} stage {p}")
-        ax.set(xlabel="step", ylabel="ms from the step's start",
+                ax.plot(s, _rolling_mean([x * 1e3 for x in v], 10), lw=1.2, label=f"{label} stage {p}")
+        ax.set(xlabel="step", ylabel="ms from the step's start (mean of 10 steps)",
                title="When each pipeline stage's gradient sync ends")
         paths.append(_save(fig, ax, out_dir / "stages.png"))
 
@@ -86,6 +86,17 @@ def _stage_series(records: list[dict[str, Any]], key: str) -> list[tuple[list[in
         return []
     stages = len(train[0][key])
     return [([r["step"] for r in train], [r[key][p] for r in train]) for p in range(stages)]
+
+
+def _rolling_mean(values: list[float], n: int) -> list[float]:
+    """Mean of each value with up to n - 1 before it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= n:
+            total -= values[i - n]
+        out.append(total / min(i + 1, n))
+    return out
 
 
 def _cumsum_mb(values: list[float]) -> list[float]:
