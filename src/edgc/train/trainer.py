@@ -112,6 +112,7 @@ def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
     try:
         # rank 0 validates and writes config.json; one process per machine tokenises the
         # built-in corpus if its cache lacks it; everyone else waits for both
