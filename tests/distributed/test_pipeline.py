@@ -66,6 +66,9 @@ def test_pp2_dp2_edgc_replicas_identical_and_dac_follows_rule(tmp_path, data_dir
     # the DAC rule on this run's own measured timings
     decisions = _dac_decisions(results)
     assert decisions, "no DAC decision was made"
+    logged = [json.loads(line) for line in (tmp_path / "run" / "dac.jsonl").read_text().splitlines()]
+    assert sorted((d["step"], d["stage"], d["local"] or 0) for d in logged) == \
+        sorted((d["step"], d["stage"], d["local"] or 0) for d in decisions)
     for d in decisions:
         if d["stage_ranks"] == "dac" and d["model"] is not None:
             model = TimeModel.from_dict(d["model"])

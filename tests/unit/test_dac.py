@@ -139,3 +139,38 @@ def test_split_gpt_computes_what_the_whole_model_does(stages):
     n_whole = sum(p.numel() for p in model.parameters())
     n_split = sum(p.numel() for part in parts for p in part.parameters())
     assert n_split == n_whole + model.wte.weight.numel()
+
+
+def test_stage_sent_uncompressed_by_dac_sends_its_residual_first():
+    """float64: compressed step: sent + new residual = gradient + old residual; the first
+    uncompressed step then sends gradient + residual and leaves the residual at zero."""
+    from edgc.comm import EDGCState, edgc_hook
+    from edgc.comm.buckets import sync_with_hook
+    from edgc.config import EDGCConfig
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(16, 12, dtype=torch.float64)),
+              torch.nn.Parameter(torch.zeros(12, dtype=torch.float64))]
+    cfg = EDGCConfig(policy="static", max_rank=2, min_rank=2, warmup_steps=1, window=2, iteration_sample_rate=1.0)
+    state = EDGCState(None, cfg, alignment=StageAlignment(0, 2, None, DACConfig(eta=1.0, t_uncompressed=0.5)))
+
+    def step():
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        sync_with_hook(params, state, edgc_hook, cap_bytes=2**20)
+        state.align()
+        return grads
+
+    step()  # warm-up: plain
+    (g,) = [group for group in state.groups.values()]
+    before = g.error.clone()
+    raw = step()  # compressed at rank 2; window end: T(2) = 2 s >= 0.5 s, so uncompressed next
+    torch.testing.assert_close(params[0].grad + g.error[0], raw[0] + before[0], rtol=0, atol=1e-12)
+    assert state.stage_uncompressed and state.rank == 0
+    residual = g.error[0].clone()
+    assert residual.abs().max() > 0
+    raw = step()  # uncompressed, with the residual
+    torch.testing.assert_close(params[0].grad, raw[0] + residual, rtol=0, atol=1e-12)
+    torch.testing.assert_close(params[1].grad, raw[1], rtol=0, atol=0)
+    assert g.error.abs().max() == 0

@@ -119,6 +119,7 @@ class EDGCState:
         self.phase = "warmup"
         self.applied_rank = 0  # rank of compressed steps; the controller's, or DAC's in a pipeline
         self.stage_uncompressed = False  # DAC sent this stage uncompressed for the window
+        self._residual_pending = False  # error feedback may hold a residual not yet sent
         self.device: torch.device | None = None
         self.r_max = config.max_rank or 0
         self.r_min = config.resolved_min_rank(config.max_rank) if config.max_rank else 0
@@ -237,6 +238,7 @@ class EDGCState:
         # (states written before pipelines existed lack the next three keys)
         self.applied_rank = int(d.get("applied_rank", d["controller"]["rank"]))
         self.stage_uncompressed = bool(d.get("stage_uncompressed", False))
+        self._residual_pending = self.phase == "compress"  # (flushing zeros is harmless)
         if (d.get("alignment") is None) != (self.alignment is None):
             raise ValueError("EDGC state and this job differ in pipeline stage alignment (DAC): "
                              "a pipeline-stage state cannot resume outside a pipeline, or the reverse")
@@ -319,7 +321,7 @@ class EDGCState:
             if self.alignment is not None and self.nonfinite_steps == nonfinite_start:
                 self.alignment.observe_compressed(self.rank, self.comm_seconds - comm_start)
         else:
-            if self.phase == "compress":
+            if self.phase == "compress" and self._residual_pending:
                 self._flush_error_feedback(grads)
             t0 = time.perf_counter()
             self._plain_sync(grads)
@@ -451,6 +453,7 @@ class EDGCState:
             flat.div_(self.world_size)
             _scatter(flat, [grads[s] for s in self.uncompressed_slots])
         self.compressed_steps += 1
+        self._residual_pending = True
 
     def align(self) -> None:
         """In a pipeline: finish a window-end decision with the DAC exchange between stages
@@ -476,6 +479,7 @@ class EDGCState:
         would lose the residual with the skipped step."""
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             return
+        self._residual_pending = False
         for g in self.groups.values():
             if g.error is None:
                 continue

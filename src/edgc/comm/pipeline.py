@@ -92,8 +92,11 @@ class EDGCPipelineStage(PipelineStage):
         return self.submod.no_sync()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """Use `hook(state, bucket)` for this stage's DP gradient sync."""
+        """Use `hook(state, bucket)` for this stage's DP gradient sync (and the state's
+        StageAlignment, if it has one, for this stage's backward timings)."""
         self._hook = (state, hook)
+        if getattr(state, "alignment", None) is not None:
+            self.alignment = state.alignment
         if not self.sync_after_send:
             self.submod.register_comm_hook(state, hook)
 

@@ -35,9 +35,17 @@ from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch
+from edgc.data.atomic import atomic_write
 from edgc.models import build_model
 from edgc.models.gpt2 import GPT
-from edgc.train.checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
+from edgc.train.checkpoint import (
+    CHECKPOINT_NAME,
+    check_compatible,
+    load_checkpoint,
+    save_checkpoint,
+)
+from edgc.train.common import lr_at, param_groups, restore_rank
+from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
@@ -103,12 +111,6 @@ def split_gpt(model: GPT, stages: int) -> list[GPTStage]:
     return [GPTStage(model, r, p == 0, p == stages - 1) for p, r in enumerate(ranges)]
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 class _Layout:
     """This rank's place in the (pp, dp) mesh and its process groups."""
 
@@ -141,7 +143,6 @@ def _attach(cfg: TrainConfig, layout: _Layout, stage: EDGCPipelineStage) -> Any:
         return state
     alignment = StageAlignment(layout.stage, layout.pp, layout.pp_group, cfg.dac_config())
     state = EDGCState(layout.dp_group, EDGCConfig(**cfg.edgc), alignment=alignment)
-    stage.alignment = alignment
     stage.register_comm_hook(state, edgc_hook)
     return state
 
@@ -230,26 +231,17 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     mb = cfg.microbatches
     schedule_cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_cls(stage, n_microbatches=mb, loss_fn=_loss_fn(mb), scale_grads=False)
-    opt = torch.optim.AdamW(_param_groups(stage_mod, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+    opt = torch.optim.AdamW(param_groups(stage_mod, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                             fused=use_cuda or None)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + layout.replica)  # this replica's batches
 
-    from edgc.train.trainer import _model_config, lr_at  # (trainer imports this module lazily)
-
-    model_config = _model_config(cfg, meta["vocab_size"])
+    model_config = model_config_of(cfg, meta["vocab_size"])
     start = 0
     if resume:
         ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=(layout.pp, layout.dp))
-        mine_stage = ckpt["stages"][layout.stage]
-        stage_mod.load_state_dict(mine_stage["model"])
-        opt.load_state_dict(mine_stage["optimizer"])
-        mine = ckpt["replicas"][rank]
-        hook_state.load_state_dict(mine["comm"])
-        gen.set_state(mine["generator"])
-        torch.set_rng_state(mine["torch_rng"])
-        start = int(ckpt["step"])
+        start = restore_rank(ckpt, rank, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)
         del ckpt
 
     writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
@@ -375,8 +367,24 @@ def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Lay
         assert gathered is not None
         stages = [gathered[p * layout.dp]["stage"] for p in range(layout.pp)]
         replicas = [{k: v for k, v in g.items() if k != "stage"} for g in gathered]
+        _write_decisions(Path(cfg.out) / "dac.jsonl", replicas)
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "layout": [layout.pp, layout.dp], "train": cfg.to_dict(),
             "model_config": model_config, "stages": stages, "replicas": replicas,
         })
     dist.barrier()
+
+
+def _write_decisions(path: Path, replicas: list[dict[str, Any]]) -> None:
+    """Every rank's DAC decisions so far, one JSON line each (step, stage, replica order),
+    with the timings and T(r) fit each used; rewritten atomically at each checkpoint."""
+    rows = []
+    for rank, r in enumerate(replicas):
+        alignment = r["comm"].get("alignment") if isinstance(r.get("comm"), dict) else None
+        for d in (alignment or {}).get("decisions", []):
+            rows.append({"global_rank": rank, **d})
+    if not rows:
+        return
+    rows.sort(key=lambda d: (d["step"], d["stage"], d["global_rank"]))
+    with atomic_write(path) as f:
+        f.write("".join(json.dumps(d) + "\n" for d in rows).encode())

@@ -24,11 +24,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.comm import EDGCState, edgc_hook
-from edgc.comm.baselines import AllReduceState, TorchPowerSGDState, allreduce_hook, torch_powersgd_hook
+from edgc.comm.baselines import (
+    AllReduceState,
+    TorchPowerSGDState,
+    allreduce_hook,
+    torch_powersgd_hook,
+)
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch, prepare_builtin
 from edgc.models import build_model
-from edgc.train.checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
+from edgc.train.checkpoint import (
+    CHECKPOINT_NAME,
+    check_compatible,
+    load_checkpoint,
+    save_checkpoint,
+)
+from edgc.train.common import lr_at, model_config, param_groups, restore_rank
 from edgc.train.config import TrainConfig
 from edgc.train.launch import run_local
 from edgc.train.metrics import MetricsWriter
@@ -38,15 +49,6 @@ from edgc.train.summary import write_summary
 logger = logging.getLogger(__name__)
 
 __all__ = ["lr_at", "prepare_run", "train", "train_distributed", "train_worker"]
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate at `step` (1-based): linear warm-up, then cosine decay to min_lr."""
-    assert cfg.lr_warmup_steps is not None and cfg.min_lr is not None
-    if step <= cfg.lr_warmup_steps:
-        return cfg.lr * step / max(1, cfg.lr_warmup_steps)
-    progress = (step - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
 
 
 def ensure_data(cfg: TrainConfig) -> Path:
@@ -84,8 +86,8 @@ def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
         ckpt = load_checkpoint(out / CHECKPOINT_NAME)
         data = ensure_data(cfg)
         vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
-        model_config = _model_config(cfg, vocab)
-        check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method, model_config=model_config,
+        check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method,
+                         model_config=model_config(cfg, vocab),
                          layout=(cfg.pp, world_size // cfg.pp))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
@@ -133,12 +135,6 @@ def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
     return Path(cfg.out)
 
 
-def _model_config(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
-    """The model's GPTConfig as a dict, for matching checkpoints (built on meta: free)."""
-    model = build_model(cfg.preset, vocab_size=vocab_size, block_size=cfg.block_size, device="meta")
-    return dataclasses.asdict(model.config)
-
-
 def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
     """Register the method's communication hook; returns its state (all have stats())."""
     if cfg.method == "none":
@@ -153,13 +149,6 @@ def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
         state = EDGCState(None, EDGCConfig(**cfg.edgc))
         ddp.register_comm_hook(state, edgc_hook)
     return state
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices and embeddings, none on biases and norms (GPT-2 practice)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 @torch.no_grad()
@@ -187,7 +176,9 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     if use_cuda:
         torch.cuda.set_device(device)
     if cfg.pp > 1:
-        from edgc.train.pipeline import train_pipeline_worker  # (it imports this module)
+        from edgc.train.pipeline import (
+            train_pipeline_worker,  # (it imports this module)
+        )
 
         return train_pipeline_worker(rank, world, cfg_dict, data_dir, resume)
     data = Path(data_dir)
@@ -198,21 +189,15 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size).to(device)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, device_ids=[device.index] if use_cuda else None)
     hook_state = _attach_hook(cfg, ddp)
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # this replica's batches
 
     start = 0
     if resume:
         ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
-                         model_config=_model_config(cfg, meta["vocab_size"]), layout=(1, world))
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        mine = ckpt["replicas"][rank]
-        hook_state.load_state_dict(mine["comm"])
-        gen.set_state(mine["generator"])
-        torch.set_rng_state(mine["torch_rng"])
-        start = int(ckpt["step"])
+                         model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world))
+        start = restore_rank(ckpt, rank, ckpt, model, opt, hook_state, gen)
         del ckpt
 
     writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
@@ -287,7 +272,7 @@ def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta) -> No
     if rank == 0:
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "train": cfg.to_dict(),
-            "model_config": _model_config(cfg, meta["vocab_size"]),
+            "model_config": model_config(cfg, meta["vocab_size"]),
             "model": model.state_dict(), "optimizer": opt.state_dict(), "replicas": gathered,
         })
     dist.barrier()
