@@ -206,7 +206,8 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
 
 # Per-rank values gathered to rank 0 each step for the per-stage metrics.
 _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompressed", "sync_start", "sync_end",
-           "step_start", "step_end", "forward", "backward", "sync", "entropy", "compress_time", "entropy_time")
+           "step_start", "step_end", "forward", "backward", "sync", "entropy", "compress_time", "entropy_time",
+           "compress", "loss")
 
 
 def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
@@ -287,13 +288,13 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 stats.bytes_uncompressed - prev.bytes_uncompressed, times.sync_start, times.sync_end,
                 t_wall, t_wall + step_time, times.forward, times.backward, times.sync, stats.entropy,
                 stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
-                loss if loss is not None else 0.0,
+                float(stats.phase == "compress"), loss if loss is not None else 0.0,
             ], dtype=torch.float64, device=device)
             prev = stats
             gathered = [torch.empty_like(mine) for _ in range(world)]
-            # collective (metrics only): all-gather of 17 float64 per rank
+            # collective (metrics only): all-gather of 18 float64 per rank
             dist.all_gather(gathered, mine)
-            rows = [dict(zip((*_FIELDS, "loss"), g.tolist())) for g in gathered]
+            rows = [dict(zip(_FIELDS, g.tolist())) for g in gathered]
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
             val_loss = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -337,7 +338,7 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         "compress_time": s0["compress_time"], "entropy_time": s0["entropy_time"],
         "bytes_sent": int(sum(r["bytes_sent"] for r in replica0)),
         "bytes_uncompressed": int(sum(r["bytes_uncompressed"] for r in replica0)),
-        "rank": int(s0["rank"]), "entropy": s0["entropy"], "phase": "compress" if s0["rank"] else "warmup",
+        "rank": int(s0["rank"]), "entropy": s0["entropy"], "phase": "compress" if s0["compress"] else "warmup",
         "grad_norm": grad_norm, "skipped": skipped,
         "stage_rank": [int(r["rank"]) for r in replica0],
         "stage_comm_time": [worst(p, "comm_time") for p in range(layout.pp)],
@@ -345,7 +346,8 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         # seconds from the step's start (earliest rank) to the end of each stage's DP sync
         "stage_sync_end": [worst(p, "sync_end") - t_begin for p in range(layout.pp)],
         # compute (forward + backward) and idle: the rest of the stage's step (bubbles,
-        # waiting for activations, gradients and the pipeline's collectives)
+        # waiting for activations, gradients and the pipeline's collectives, and the
+        # optimiser step)
         "stage_compute_time": [worst(p, "forward") + worst(p, "backward") for p in range(layout.pp)],
         "stage_idle_time": [max(0.0, stage_step[p] - worst(p, "forward") - worst(p, "backward") - worst(p, "sync"))
                             for p in range(layout.pp)],
