@@ -49,6 +49,21 @@ def test_uncompressed_pipeline_matches_unsplit_model(tmp_path, data_dir, schedul
     assert unsplit[0]["loss"] > _losses(unsplit)[-1]  # it did train
 
 
+def test_activation_gradients_full_rank_exact_and_low_rank_trains(tmp_path, data_dir):
+    _, unsplit = _run(data_dir, tmp_path / "unsplit", 1, method="none", steps=4, eval_every=2)
+    # block 32 x width 128: rank 32 is the whole matrix, so compression must be exact
+    _, full = _run(data_dir, tmp_path / "full", 2, method="none", steps=4, eval_every=2, pp=2, microbatches=2,
+                   activation_rank=32)
+    for x, y in zip(_losses(unsplit), _losses(full)):
+        assert math.isclose(x, y, rel_tol=1e-5), (_losses(unsplit), _losses(full))
+    _, low = _run(data_dir, tmp_path / "low", 2, method="none", steps=8, eval_every=4, pp=2, microbatches=2,
+                  activation_rank=2)
+    train = [r for r in low if r["kind"] == "train"]
+    assert all(math.isfinite(r["loss"]) for r in train) and train[-1]["loss"] < train[0]["loss"]
+    # stage 1 sends 2 micro-batches of (2, 32 + 128, 2) float32 back, not (2, 32, 128)
+    assert train[-1]["stage_p2p_bytes"][1] == 2 * 2 * 160 * 2 * 4
+
+
 def _dac_decisions(results):
     return [d for r in results for d in r["decisions"]]
 
@@ -111,6 +126,7 @@ def test_dac_given_timings_gives_later_stage_more_rank(tmp_path, data_dir):
 @pytest.mark.slow
 def test_pipeline_resume_continues_exactly(tmp_path, data_dir):
     common = dict(method="edgc", steps=12, pp=2, microbatches=2, rank=16, checkpoint_every=6, dac=GIVEN,
+                  activation_rank=4,
                   edgc={"warmup_steps": 3, "window": 3, "iteration_sample_rate": 1.0, "min_rank": 4})
     _, straight = _run(data_dir, tmp_path / "straight", 4, **common)
     _, first = _run(data_dir, tmp_path / "split", 4, stop_after=6, **common)

@@ -174,3 +174,32 @@ def test_stage_sent_uncompressed_by_dac_sends_its_residual_first():
     torch.testing.assert_close(params[0].grad, raw[0] + residual, rtol=0, atol=1e-12)
     torch.testing.assert_close(params[1].grad, raw[1], rtol=0, atol=0)
     assert g.error.abs().max() == 0
+
+
+def test_activation_compressor_sends_plus_keeps_what_it_was_given():
+    """float64: P Qᵀ + new residual = gradient + old residual, per micro-batch slot;
+    full rank is exact; the state round-trips."""
+    from edgc.comm.activation import ActivationGradCompressor, Carrier
+
+    torch.manual_seed(0)
+    c = ActivationGradCompressor(3, seed=1)
+    grads = [torch.randn(2, 6, 5, dtype=torch.float64) for _ in range(2)]
+    for step in range(3):
+        c.start_step()
+        for slot, g in enumerate(grads):
+            old = c.errors[slot].clone() if slot < len(c.errors) else torch.zeros_like(g)
+            packed = c.compress(g)
+            assert packed.shape == (2, 6 + 5, 3)
+            sent = Carrier.backward(type("Ctx", (), {"t": 6})(), packed)[0]
+            torch.testing.assert_close(sent + c.errors[slot], g + old, rtol=0, atol=1e-12)
+    assert c.bytes_sent == 6 * 2 * 11 * 3 * 8 and c.bytes_uncompressed == 6 * 2 * 30 * 8
+    full = ActivationGradCompressor(5)
+    full.start_step()
+    g = grads[0]
+    packed = full.compress(g)
+    torch.testing.assert_close(packed[:, :6] @ packed[:, 6:].transpose(1, 2), g, rtol=0, atol=1e-12)
+    again = ActivationGradCompressor(3)
+    again.load_state_dict(c.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.errors, c.errors))
+    with pytest.raises(ValueError, match="rank"):
+        ActivationGradCompressor(4).load_state_dict(c.state_dict())

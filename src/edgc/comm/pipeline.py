@@ -67,10 +67,16 @@ class EDGCPipelineStage(PipelineStage):
         *,
         sync_after_send: bool = True,
         bucket_cap_mb: float = 25.0,
+        input_args: Any = None,
+        output_args: Any = None,
     ) -> None:
         if not isinstance(submodule, DDP):
             raise TypeError(f"EDGCPipelineStage wraps a DistributedDataParallel module, got {type(submodule).__name__}")
-        super().__init__(submodule, stage_index, num_stages, device, group=group)
+        # example input and output tensors of one micro-batch (torch's "static" mode) spare
+        # the shape-inference forward and backward passes, which would arm DDP's reducer
+        # and run the activation compressor on throw-away gradients
+        super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
+                         output_args=output_args, group=group)
         self.sync_after_send = sync_after_send
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.times = StageTimes()

@@ -124,6 +124,10 @@ class TrainConfig:
     stages' syncs overlap (see edgc.comm.pipeline); False keeps torch's placement inside
     the last backward pass."""
 
+    activation_rank: int = 0
+    """With pp > 1: send the activation gradients between stages as rank-r factors with
+    error feedback (beyond the EDGC release, as Optimus-CC does); 0 sends them whole."""
+
     dac: dict[str, Any] = field(default_factory=dict)
     """DACConfig overrides (edgc.policy.dac) for the stage ranks of "edgc" and "powersgd"
     with pp > 1."""
@@ -168,6 +172,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(name, "must be a positive integer or unset")
+        if not isinstance(self.activation_rank, int) or self.activation_rank < 0:
+            bad("activation_rank", "must be an integer >= 0")
+        if self.activation_rank and self.pp == 1:
+            bad("activation_rank", "compresses traffic between pipeline stages: it needs pp > 1")
         if self.pp > 1:
             self.check_layout(self.nproc)
             layers = PRESETS[self.preset].n_layer

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.comm import EDGCState, edgc_hook
 from edgc.comm.baselines import AllReduceState, allreduce_hook
+from edgc.comm.activation import ActivationGradCompressor, Carrier, Unpack
 from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch
@@ -71,9 +72,14 @@ class GPTStage(nn.Module):
     (B, T, V) on the last stage, else hidden states (B, T, C).
     """
 
-    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool, activation_rank: int = 0,
+                 seed: int = 0) -> None:
         super().__init__()
         self.first, self.last = first, last
+        # low-rank activation gradients (comm/activation.py): this stage sends a carrier
+        # forward (not last) and compresses what it sends backward (not first)
+        self.activation_rank = activation_rank
+        self.compressor = ActivationGradCompressor(activation_rank, seed) if activation_rank and not first else None
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         self.h = nn.ModuleList(model.h[i] for i in blocks)
@@ -83,14 +89,18 @@ class GPTStage(nn.Module):
             # the head's own copy of the tied matrix (the first stage keeps wte)
             self.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carrier: torch.Tensor | None = None) -> Any:
         if self.first:
             pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device)  # (T,)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+        elif carrier is not None:
+            x = Unpack.apply(x, carrier, self.compressor)  # (B, T, C); its gradient goes back compressed
         for block in self.h:
             x = block(x)  # (B, T, C)
         if self.last:
-            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+            return self.lm_head(self.ln_f(x))  # (B, T, V)
+        if self.activation_rank:
+            return x.detach(), Carrier.apply(x, self.activation_rank)  # (B, T, C), (B, T + C, r)
         return x
 
     def tied_weight(self) -> nn.Parameter | None:
@@ -102,13 +112,14 @@ class GPTStage(nn.Module):
         return None
 
 
-def split_gpt(model: GPT, stages: int) -> list[GPTStage]:
+def split_gpt(model: GPT, stages: int, activation_rank: int = 0, seed: int = 0) -> list[GPTStage]:
     """Cut `model` into `stages` GPTStage modules (sharing its parameters, except the head's
-    copy of the tied embedding)."""
+    copy of the tied embedding). `activation_rank` > 0 compresses the activation gradients
+    sent backward between stages to that rank."""
     if stages < 2:
         raise ValueError(f"a pipeline needs at least 2 stages, got {stages}")
     ranges = stage_blocks(model.config.n_layer, stages)
-    return [GPTStage(model, r, p == 0, p == stages - 1) for p, r in enumerate(ranges)]
+    return [GPTStage(model, r, p == 0, p == stages - 1, activation_rank, seed + p) for p, r in enumerate(ranges)]
 
 
 class _Layout:
@@ -207,7 +218,7 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
 # Per-rank values gathered to rank 0 each step for the per-stage metrics.
 _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompressed", "sync_start", "sync_end",
            "step_start", "step_end", "forward", "backward", "sync", "entropy", "compress_time", "entropy_time",
-           "compress", "loss")
+           "compress", "loss", "p2p_bytes")
 
 
 def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
@@ -222,12 +233,14 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
 
     torch.manual_seed(cfg.seed)  # every rank builds the same whole model, then keeps its stage
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size)
-    stage_mod = split_gpt(model, layout.pp)[layout.stage].to(device)
+    stage_mod = split_gpt(model, layout.pp, cfg.activation_rank, cfg.seed)[layout.stage].to(device)
     del model
     ddp = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
               device_ids=[device.index] if use_cuda else None)
+    inputs, outputs = _stage_examples(cfg, layout, stage_mod.h[0].ln_1.weight.shape[-1], meta["vocab_size"], device)
     stage = EDGCPipelineStage(ddp, layout.stage, layout.pp, device, layout.pp_group,
-                              sync_after_send=cfg.sync_after_send, bucket_cap_mb=cfg.bucket_cap_mb)
+                              sync_after_send=cfg.sync_after_send, bucket_cap_mb=cfg.bucket_cap_mb,
+                              input_args=inputs, output_args=outputs)
     hook_state = _attach(cfg, layout, stage)
     mb = cfg.microbatches
     schedule_cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
@@ -243,6 +256,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=(layout.pp, layout.dp))
         start = restore_rank(ckpt, rank, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)
+        if stage_mod.compressor is not None:
+            stage_mod.compressor.load_state_dict(ckpt["replicas"][rank]["activation"])
         del ckpt
 
     writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
@@ -257,6 +272,9 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             for group in opt.param_groups:
                 group["lr"] = lr
             stage.times.reset()
+            if stage_mod.compressor is not None:
+                stage_mod.compressor.start_step()
+            p2p_before = stage_mod.compressor.bytes_sent if stage_mod.compressor is not None else 0
             t_wall, t0 = time.time(), time.perf_counter()
             x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)  # every stage draws alike
             loss = _run(schedule, stage, layout, x, y)
@@ -289,10 +307,11 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 t_wall, t_wall + step_time, times.forward, times.backward, times.sync, stats.entropy,
                 stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
                 float(stats.phase == "compress"), loss if loss is not None else 0.0,
+                _p2p_bytes(cfg, layout, stage_mod, p2p_before),
             ], dtype=torch.float64, device=device)
             prev = stats
             gathered = [torch.empty_like(mine) for _ in range(world)]
-            # collective (metrics only): all-gather of 18 float64 per rank
+            # collective (metrics only): all-gather of 19 float64 per rank
             dist.all_gather(gathered, mine)
             rows = [dict(zip(_FIELDS, g.tolist())) for g in gathered]
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
@@ -343,6 +362,8 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         "stage_rank": [int(r["rank"]) for r in replica0],
         "stage_comm_time": [worst(p, "comm_time") for p in range(layout.pp)],
         "stage_bytes_sent": [int(r["bytes_sent"]) for r in replica0],
+        # activations forward and activation gradients backward, to the neighbour stages
+        "stage_p2p_bytes": [int(r["p2p_bytes"]) for r in replica0],
         # seconds from the step's start (earliest rank) to the end of each stage's DP sync
         "stage_sync_end": [worst(p, "sync_end") - t_begin for p in range(layout.pp)],
         # compute (forward + backward) and idle: the rest of the stage's step (bubbles,
@@ -354,11 +375,46 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
     }
 
 
+def _stage_examples(cfg: TrainConfig, layout: _Layout, n_embd: int, vocab: int,
+                    device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Example inputs and outputs of one micro-batch for this stage (zeros; shapes, dtypes
+    and requires_grad are what the pipeline needs to know)."""
+    mb, t = cfg.batch_size // cfg.microbatches, cfg.block_size
+    r = min(cfg.activation_rank, t, n_embd)
+
+    def hidden() -> tuple[torch.Tensor, ...]:
+        x = torch.zeros(mb, t, n_embd, device=device, requires_grad=not r)
+        return (x, torch.zeros(mb, t + n_embd, r, device=device, requires_grad=True)) if r else (x,)
+
+    inputs = (torch.zeros(mb, t, dtype=torch.long, device=device),) if layout.first else hidden()
+    outputs = (torch.zeros(mb, t, vocab, device=device, requires_grad=True),) if layout.last else hidden()
+    return inputs, outputs
+
+
+def _p2p_bytes(cfg: TrainConfig, layout: _Layout, stage_mod: GPTStage, compressed_before: int) -> int:
+    """Bytes this stage sent to its neighbours in the step: activations (and carriers)
+    forward unless last, activation gradients backward unless first."""
+    mb = cfg.batch_size // cfg.microbatches
+    c = (stage_mod.wte.weight if layout.first else stage_mod.h[0].ln_1.weight).shape[-1]
+    item = next(stage_mod.parameters()).element_size()
+    whole = mb * cfg.block_size * c * item  # one micro-batch's activation (B, T, C)
+    n = 0
+    if not layout.last:
+        r = min(cfg.activation_rank, cfg.block_size, c)
+        n += cfg.microbatches * (whole + (mb * (cfg.block_size + c) * r * item if r else 0))
+    if not layout.first:
+        comp = stage_mod.compressor
+        n += comp.bytes_sent - compressed_before if comp is not None else cfg.microbatches * whole
+    return n
+
+
 def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Layout, stage_mod: GPTStage,
                 opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, model_config: dict) -> None:
     """Gather every rank's state to rank 0 (stage weights from replica 0), which writes atomically."""
     mine: dict[str, Any] = {"comm": hook_state.state_dict(), "generator": gen.get_state(),
                             "torch_rng": torch.get_rng_state()}
+    if stage_mod.compressor is not None:
+        mine["activation"] = stage_mod.compressor.state_dict()
     if layout.replica == 0:
         mine["stage"] = {"model": {k: v.cpu() for k, v in stage_mod.state_dict().items()},
                          "optimizer": opt.state_dict()}
