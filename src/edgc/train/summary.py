@@ -79,25 +79,27 @@ def table(summaries: list[RunSummary]) -> str:
 
 def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
     """Per pipeline stage (runs with --pp > 1): mean rank, sync time and when the sync ends
-    (seconds from the step's start), and idle time, over compressed steps."""
+    (seconds from the step's start), idle time and bytes to the neighbour stages, over
+    compressed steps (all steps, for runs that never compress), leaving out the first 5%."""
     lines = []
     for name, _, records in loaded:
         train = [r for r in records if r.get("kind") == "train" and "stage_rank" in r]
-        timed = [r for r in train[len(train) // 20 :] if r["phase"] == "compress"]
+        timed = [r for r in train[len(train) // 20 :] if r["phase"] == "compress"] or train[len(train) // 20 :]
         if not timed:
             continue
         for p in range(len(timed[0]["stage_rank"])):
             def mean(key: str) -> float:
-                return sum(r[key][p] for r in timed) / len(timed)
+                return sum(r.get(key, [0.0] * (p + 1))[p] for r in timed) / len(timed)
             uncompressed = sum(1 for r in timed if r["stage_rank"][p] == 0) / len(timed)
             lines.append(f"| {name} | {p} | {mean('stage_rank'):.1f} | {uncompressed:.0%} | "
                          f"{mean('stage_comm_time') * 1e3:.0f} | {mean('stage_sync_end') * 1e3:.0f} | "
-                         f"{mean('stage_idle_time') * 1e3:.0f} |")
+                         f"{mean('stage_idle_time') * 1e3:.0f} | {mean('stage_p2p_bytes') / 1e3:.0f} |")
     if not lines:
         return ""
-    return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start):\n\n"
-            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n")
+    return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start; "
+            "p2p: activations and their gradients sent to the neighbour stages):\n\n"
+            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) | p2p KB/step |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n")
 
 
 def _layout(config: dict[str, Any]) -> str:
