@@ -1,13 +1,12 @@
 """Pipeline × data-parallel training (`edgc train --pp`): equivalence, replicas, DAC, resume."""
 
-import dataclasses
 import json
 import math
 
 import pytest
 
 from edgc.data import prepare_builtin
-from edgc.policy.dac import stage_rank, TimeModel
+from edgc.policy.dac import TimeModel, stage_rank
 from edgc.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from edgc.train.config import TrainConfig
 from edgc.train.launch import run_local
@@ -113,7 +112,7 @@ GIVEN = {"eta": 0.001, "t_mb": 0.004, "t_uncompressed": 1.0}  # deterministic DA
 
 
 def test_dac_given_timings_gives_later_stage_more_rank(tmp_path, data_dir):
-    results, records = _run(data_dir, tmp_path / "run", 4, method="edgc", steps=9, pp=2, microbatches=2, rank=16,
+    results, _ = _run(data_dir, tmp_path / "run", 4, method="edgc", steps=9, pp=2, microbatches=2, rank=16,
                             edgc={"warmup_steps": 3, "window": 3, "iteration_sample_rate": 1.0, "min_rank": 4},
                             dac=GIVEN)
     for d in _dac_decisions(results):
@@ -129,7 +128,7 @@ def test_pipeline_resume_continues_exactly(tmp_path, data_dir):
                   activation_rank=4,
                   edgc={"warmup_steps": 3, "window": 3, "iteration_sample_rate": 1.0, "min_rank": 4})
     _, straight = _run(data_dir, tmp_path / "straight", 4, **common)
-    _, first = _run(data_dir, tmp_path / "split", 4, stop_after=6, **common)
+    _run(data_dir, tmp_path / "split", 4, stop_after=6, **common)
     assert load_checkpoint(tmp_path / "split" / CHECKPOINT_NAME)["step"] == 6
     _, resumed = _run(data_dir, tmp_path / "split", 4, resume=True, **common)
     assert _losses(resumed) == _losses(straight)

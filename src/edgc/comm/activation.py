@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from edgc.compress import draw_q, error_feedback_, orthogonalize_, project_p, project_q, reconstruct
+from edgc.compress import (
+    draw_q,
+    error_feedback_,
+    orthogonalize_,
+    project_p,
+    project_q,
+    reconstruct,
+)
 
 __all__ = ["ActivationGradCompressor", "Carrier", "Unpack"]
 

@@ -31,8 +31,8 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.comm import EDGCState, edgc_hook
-from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.comm.activation import ActivationGradCompressor, Carrier, Unpack
+from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch
