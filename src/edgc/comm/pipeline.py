@@ -14,8 +14,9 @@ measure the difference).
 
 `StageAlignment` is the DAC at run time: it measures this stage's sync times and backward
 time per micro-batch, fits T(r) (policy/dac.py), hears T₀ and r₀ from stage 0 over the
-pipeline group, and agrees the stage's rank over its DP group. EDGCState calls it at each
-window end.
+pipeline group, and agrees the stage's rank over its DP group. At a window end EDGCState
+leaves the decision pending, and the stage completes it (`EDGCState.align`) once its sends
+are done, so the exchange never waits on a stage that is still in its backward pass.
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ def _reducer_must_not_sync(state, bucket):  # (unannotated: DDP checks annotatio
 class StageAlignment:
     """The DAC decision of one replica of pipeline stage `stage` (EDGC_SPEC.md, "DAC").
 
-    EDGCState calls `decide` at each window end with its entropy-driven rank. Collectives,
-    issued in this order by every rank of the job at the same step:
-      1. all-reduce SUM over the pipeline group of 4 float64: stage 0's T₀ = T(r₀) and r₀,
-         and every stage's measured t_mb (averaged: the spec's one t_mb);
+    `EDGCState.align` calls `decide` after a window end with the entropy-driven rank.
+    Collectives, issued in this order by every rank of the job at the same step:
+      1. all-reduce SUM over the pipeline group of 5 + stages float64: stage 0's T₀ = T(r₀),
+         r₀ and change of T₀; every stage's measured t_mb (averaged: the spec's one t_mb)
+         and its mean wait for the other stages (for slack="measured");
       2. all-reduce MAX over the DP group of the stage's rank (replicas agree on the max).
     Timings are this replica's own measurements; a given `eta`, `t_mb` or `t_uncompressed`
     in DACConfig replaces the measurement (then decisions are deterministic).
