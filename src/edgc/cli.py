@@ -95,28 +95,19 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder")
     p.add_argument("paths", nargs="+", help="text files or folders (searched recursively)")
     p.add_argument("--out", required=True, help="output folder (train.bin, val.bin, meta.json)")
-    p.add_argument("--tokenizer", default="gpt2", help='"gpt2" or a saved BPE tokenizer.json')
+    p.add_argument("--tokenizer", default="gpt2",
+                   help='"gpt2", "bpe" (train a byte-level BPE on the train split) or a saved BPE tokenizer.json')
+    p.add_argument("--vocab-size", type=int, default=2048, help='size of the BPE trained with --tokenizer bpe')
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from edgc.data import TokenFile, iter_text_files, prepare
-    from edgc.data.corpus import Corpus, split_corpus
-    from edgc.train.trainer import write_meta
+    from edgc.data import prepare_files
 
-    files = list(iter_text_files(args.paths))
-    if not files:
-        raise ValueError(f"no text files found in {args.paths}; give text files or folders that hold some")
-    out = Path(args.out)
-    common = Path(os.path.commonpath([str(f.parent) for f in files]))
-    split = split_corpus(Corpus(common, [f.relative_to(common) for f in files]), args.val_fraction)
-    train = prepare(split.train.paths(), out / "train.bin", args.tokenizer)
-    val = prepare(split.val.paths(), out / "val.bin", args.tokenizer)
-    header = TokenFile(train).header
-    write_meta(out, args.tokenizer, header.vocab_size, header.count, TokenFile(val).header.count,
-               source=", ".join(map(str, args.paths)))
-    print(f"{out}: {header.count:,} train / {len(TokenFile(val)):,} validation tokens "
-          f"({len(split.train.files)} / {len(split.val.files)} files), tokenizer {args.tokenizer}")
+    prepared = prepare_files(args.paths, args.out, args.tokenizer, args.val_fraction, args.vocab_size)
+    meta = json.loads((Path(args.out) / "meta.json").read_text())
+    print(f"{args.out}: {prepared.train_tokens:,} train / {prepared.val_tokens:,} validation tokens "
+          f"({meta['train_files']} / {meta['val_files']} files), tokenizer {args.tokenizer}")
     return 0
 
 

@@ -164,3 +164,164 @@ def train_plain(rank: int, world: int, steps: int) -> dict:
         loss.backward()
         opt.step()
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+# ---------------------------------------------------------------- init order, pickling, replicas
+
+
+def train_given_state(rank: int, world: int, state: EDGCState, steps: int) -> dict:
+    """Train MixedNet with a state built elsewhere (pickled into this process by spawn)."""
+    torch.manual_seed(0)
+    model = MixedNet()
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    _train(ddp, opt, state, rank, 0, steps)
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "stats": state.stats(), "world_size": state.world_size}
+
+
+def state_before_init(rank: int, world: int, config_kwargs: dict, store: str, steps: int) -> dict:
+    """Build the state with no process group, then (re)initialise the group and train."""
+    dist.destroy_process_group()
+    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    assert state.world_size == 1  # nothing to know yet
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    return train_given_state(rank, world, state, steps)
+
+
+def pickle_own_group(rank: int, world: int, config_kwargs: dict) -> dict:
+    """A state on a new_group pickles, comes back without it, and says so when used."""
+    import pickle
+
+    group = dist.new_group(list(range(world)))
+    state = EDGCState(group, EDGCConfig(**config_kwargs))
+    copy_ = pickle.loads(pickle.dumps(state))
+    out = {"group_after": copy_.process_group}
+    torch.manual_seed(0)
+    ddp = DDP(MixedNet(), bucket_cap_mb=0.02)
+    ddp.register_comm_hook(copy_, edgc_hook)
+    idx, target = _batch(0, rank)
+    try:
+        F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1)).backward()
+        out["error"] = "no error"
+    except Exception as exc:
+        out["error"] = str(exc)
+    # given its group again, it trains
+    again = pickle.loads(pickle.dumps(state))
+    again.process_group = group
+    result = train_given_state(rank, world, again, 6)
+    out["params"] = result["params"]
+    return out
+
+
+def replica_check(rank: int, world: int, config_kwargs: dict) -> dict:
+    """state_dict records the replica; rank 0's state is refused on rank 1 unless asked."""
+    config = EDGCConfig(**config_kwargs)
+    model, ddp, state, opt = _make(config)
+    _train(ddp, opt, state, rank, 0, 6)
+    saved = state.state_dict()
+    objs: list = [None] * world
+    dist.all_gather_object(objs, saved)
+    out = {"replica": saved["replica"], "refused": None, "loaded_other": None}
+    if rank == 1:
+        try:
+            EDGCState(None, config).load_state_dict(objs[0])
+        except ValueError as exc:
+            out["refused"] = str(exc)
+        other = EDGCState(None, config)
+        other.load_state_dict(objs[0], strict_replica=False)
+        out["loaded_other"] = other.state_dict()["step"]
+    return out
+
+
+# ---------------------------------------------------------------- precision
+
+
+class MixedDtypeNet(nn.Module):
+    """bf16 matrices and 1-D tensors beside float32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))  # float32 1-D
+        self.fc1 = nn.Linear(24, 48).to(torch.bfloat16)
+        self.fc2 = nn.Linear(48, 40, bias=False).to(torch.bfloat16)
+        self.fc3 = nn.Linear(40, 16)  # float32 matrix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x.to(torch.bfloat16)))
+        h = self.fc2(h).float()  # (B, 40)
+        return self.fc3(h) * self.scale
+
+
+def train_mixed_dtypes(rank: int, world: int, config_kwargs: dict, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = MixedDtypeNet()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sent = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 16, generator=g)
+        loss = F.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        before = state.bytes_sent
+        loss.backward()
+        sent.append(state.bytes_sent - before)
+        opt.step()
+    return {
+        "params": torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]),
+        "stats": state.stats(), "sent": sent,
+        "groups": sorted((g.shape, str(g.dtype), g.q.shape[-1], str(g.q.dtype)) for g in state.groups.values()),
+        "uncompressed": [(state.slot_shapes[s]) for s in state.uncompressed_slots],
+    }
+
+
+def train_scaled(rank: int, world: int, config_kwargs: dict, scales: list, tell: bool) -> dict:
+    """float64 MixedNet; the loss is multiplied by scales[step] and the gradient divided by
+    it after the sync (a GradScaler's work); `tell`: the state is told the scale."""
+    torch.manual_seed(0)
+    model = MixedNet().double()
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    entropies, ranks = [], []
+    for step, scale in enumerate(scales):
+        idx, target = _batch(step, rank)
+        loss = F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1))
+        if tell:
+            state.set_grad_scale(scale)
+        opt.zero_grad(set_to_none=True)
+        (loss * scale).backward()
+        for p in model.parameters():
+            p.grad.div_(scale)
+        opt.step()
+        entropies.append(state.stats().entropy)
+        ranks.append(state.stats().step_rank)
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "entropies": entropies, "ranks": ranks}
+
+
+def train_mixed_dtypes_cuda(rank: int, world: int, config_kwargs: dict, steps: int) -> dict:
+    """MixedDtypeNet on this process's GPU (shared when there is one), under the hook."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = MixedDtypeNet().to(device)
+    ddp = DDP(model, device_ids=[device.index], bucket_cap_mb=0.002)
+    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 24, generator=g).to(device), torch.randn(8, 16, generator=g).to(device)
+        loss = F.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return {"params": torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()]),
+            "stats": state.stats()}

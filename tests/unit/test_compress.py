@@ -126,3 +126,16 @@ def test_relative_lowrank_error_exact_on_known_spectrum():
     total = float((s**2).sum())
     expected = [1.0, ((9 + 4 + 1) / total) ** 0.5, ((4 + 1) / total) ** 0.5, 0.0]
     assert eps == pytest.approx(expected, abs=1e-12)
+
+
+def test_half_precision_orthogonalisation_keeps_the_basis():
+    # P of a gradient has nearly dependent columns; Gram-Schmidt in bf16 loses them
+    torch.manual_seed(0)
+    base = torch.randn(2, 512, 1)
+    p64 = base + 0.02 * torch.randn(2, 512, 16)  # (B, m, r), badly conditioned
+    p = p64.to(torch.bfloat16)
+    orthogonalize_(p)
+    assert p.dtype == torch.bfloat16
+    gram = p.double().transpose(1, 2) @ p.double()
+    err = (gram - torch.eye(16, dtype=torch.float64)).abs().max()
+    assert err < 0.02, f"orthogonality lost: max |P^T P - I| = {err:.3f}"

@@ -292,8 +292,8 @@ def test_prepare_separates_documents_with_end_of_text(tmp_path):
 
 def test_prepare_builtin_with_local_bpe(tmp_path):
     result = prepare_builtin(tmp_path, tokenizer="bpe", max_bytes=300_000, vocab_size=512)
-    assert result.tokenizer == str(tmp_path / "tokenizer.json")
-    tok = load_tokenizer(result.tokenizer)
+    assert result.tokenizer == "tokenizer.json"  # relative to the data folder
+    tok = load_tokenizer(tmp_path / result.tokenizer)
     train, val = TokenFile(result.train), TokenFile(result.val)
     assert (len(train), len(val)) == (result.train_tokens, result.val_tokens)
     assert len(train) > 10 * len(val) > 0

@@ -9,6 +9,7 @@ import pytest
 from edgc.bench.simulate import (
     ClusterSpec,
     CostProfile,
+    EntropyCost,
     SimOptions,
     add_parser,
     bundled_clusters,
@@ -215,7 +216,7 @@ def _profile(opts: SimOptions) -> CostProfile:
     for m, n in {(2048, 128), (128, 128), (384, 128), (512, 128), (128, 512)}:
         for r in range(1, opts.rank_max + 1):
             profile.lowrank[(m, n, r)] = 1e-5 * r
-    profile.entropy[(opts.gradient_sample_rate, opts.entropy_estimator, opts.bins)] = 1e-9
+    profile.entropy[(opts.gradient_sample_rate, opts.entropy_estimator, opts.bins)] = EntropyCost(0.0, 1e-9)
     return profile
 
 
@@ -281,12 +282,13 @@ def test_schedule_parsing_and_options():
 def test_profile_round_trip(tmp_path):
     opts = SimOptions(rank_max=8)
     profile = _profile(opts)
-    profile.sources.add("test")
+    profile.origins["measured:test device"] = "hand-made"
     path = tmp_path / "p.json"
     profile.save(path)
     again = CostProfile(compute_scale=0.5)
     again.load(path)
     assert again.lowrank == profile.lowrank and again.entropy == profile.entropy
+    assert again.origins == {"measured:test device": "hand-made"}
     assert again.lowrank_seconds(2048, 128, 4) == pytest.approx(0.5 * 4e-5)  # scaled on lookup
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a valid cost profile"):
@@ -307,3 +309,4 @@ def test_parser_defaults():
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["simulate", "--cluster", "paper-12.1b"])
     assert (args.cluster, args.rank_max, args.compute_scale, args.profile) == ("paper-12.1b", 32, 1.0, None)
+    assert (args.device, args.gpu) == (None, None)  # no timing unless asked: the cluster's GPU is modelled

@@ -40,9 +40,16 @@ class _Counters:
     def _rank(self) -> int:
         return 0
 
+    def _step_phase(self) -> str:
+        return self.phase
+
+    def _step_rank(self) -> int:
+        return self._rank()
+
     def stats(self) -> EDGCStats:
         return EDGCStats(
-            step=self.step, phase=self.phase, rank=self._rank(), entropy=math.nan, min_rank=0,
+            step=self.step, phase=self.phase, rank=self._rank(), step_phase=self._step_phase(),
+            step_rank=self._step_rank(), entropy=math.nan, min_rank=0,
             max_rank=self._rank(), bytes_sent=self.bytes_sent, bytes_uncompressed=self.bytes_uncompressed,
             compress_seconds=0.0, comm_seconds=self.comm_seconds, entropy_seconds=0.0,
             nonfinite_steps=0, compressed_steps=0,
@@ -96,6 +103,13 @@ class TorchPowerSGDState(_Counters):
             use_error_feedback=True, warm_start=True, batch_tensors_with_same_shape=True,
         )
         self.matrix_rank = rank
+        self.last_step_rank = 0  # the rank the last step was sent at (0: uncompressed)
+
+    def _step_rank(self) -> int:
+        return self.last_step_rank
+
+    def _step_phase(self) -> str:
+        return "compress" if self.last_step_rank else "warmup"
 
     def _rank(self) -> int:
         return self.matrix_rank if self.inner.iter >= self.inner.start_powerSGD_iter else 0
@@ -123,7 +137,8 @@ class TorchPowerSGDState(_Counters):
 
     def state_dict(self) -> dict[str, Any]:
         inner = {k: v for k, v in self.inner.__getstate__().items()}
-        return {"format": "torch-powersgd-state", "world_size": self.world_size, "inner": inner, **self._counters()}
+        return {"format": "torch-powersgd-state", "world_size": self.world_size, "inner": inner,
+                "last_step_rank": self.last_step_rank, **self._counters()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         _check(d, "torch-powersgd-state", self.world_size)
@@ -137,6 +152,7 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket: dist.GradBucket) -> t
     """torch's powerSGD_hook, waited on per bucket so gloo sees one collective order."""
     nbytes = state.bucket_bytes(bucket)
     is_last = bucket.is_last()
+    rank_now = state._rank()  # (torch's iteration counter moves on at the last bucket)
     t0 = time.perf_counter()
     fut = _psgd.powerSGD_hook(state.inner, bucket)
     fut.wait()
@@ -145,6 +161,7 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket: dist.GradBucket) -> t
     state.bytes_uncompressed += bucket.buffer().numel() * bucket.buffer().element_size()
     if is_last:
         state.step += 1
+        state.last_step_rank = rank_now
     return fut
 
 

@@ -48,8 +48,9 @@ class FlatBucket:
 
 def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Callable[..., Any], cap_bytes: int) -> None:
     """Average `params`' .grad over the hook's process group by calling `hook(state, bucket)`
-    on DDP-like buckets (reverse parameter order, about `cap_bytes` each), then copy the
-    result back into .grad. Every parameter must have a gradient."""
+    on DDP-like buckets (reverse parameter order, about `cap_bytes` each, one dtype per
+    bucket as in DDP), then copy the result back into .grad. Every parameter must have a
+    gradient."""
     params = [p for p in params if p.requires_grad]
     missing = [i for i, p in enumerate(params) if p.grad is None]
     if missing:
@@ -58,7 +59,7 @@ def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Calla
     size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if groups[-1] and size + nbytes > cap_bytes:
+        if groups[-1] and (size + nbytes > cap_bytes or p.dtype != groups[-1][0].dtype):
             groups.append([])
             size = 0
         groups[-1].append(p)

@@ -14,15 +14,33 @@ the last bucket it synchronises the whole gradient with a fixed sequence of coll
 issued from one thread, then completes every future. The sequence is identical on every
 replica because it depends only on the step counter and on values that were themselves
 all-reduced. A side benefit: same-shape matrices from all buckets share one bmm, and one
-step costs at most four collectives (control, uncompressed, P, Q). The cost: no overlap
-of gradient communication with the backward pass.
+step costs at most four collectives (control, uncompressed, P, Q) per gradient dtype.
+The cost: no overlap of gradient communication with the backward pass.
+
+Why the process group is resolved at the first step, not in __init__. Frameworks build the
+state before `init_process_group` (Lightning's PowerSGD recipe does, in the launching
+process), and a state may be pickled into the worker processes. A world size read in the
+constructor would be 1 there, and every collective would be skipped: replicas would drift
+apart while the stats looked normal. So the group, the world size and this replica's
+rank are bound when the hook first runs, and a job of several processes that reaches the
+hook without an initialised group is an error.
+
+Precision. Gradients are grouped by dtype as well as shape. For bf16 and fp16 gradients
+the arithmetic (M + error, P, Q, orthogonalisation, the error-feedback buffer) runs in
+float32, and P and Q travel in the gradient's dtype: the rounding on the wire lands in
+the error feedback instead of being lost. With a GradScaler, `set_grad_scale` tells the
+state the loss scale, so the error feedback and the entropy stay in unscaled units when
+the scale changes.
+
+Timing. On CUDA, times are CUDA events read lazily (edgc.comm.timing): no host
+synchronisation is added to a step to time it.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
 import logging
 import math
-import time
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +58,7 @@ from edgc.compress import (
     relative_lowrank_error,
     resize_q,
 )
+from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.config import EDGCConfig
 from edgc.entropy import estimate_entropy, is_sampled_step, sample_gradient
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
@@ -49,7 +68,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["EDGCState", "EDGCStats", "edgc_hook"]
 
 _FORMAT = "edgc-state"
-_VERSION = 1
+_VERSION = 1  # (version-1 states written before "replica" existed load without the check)
+_HALF = (torch.float16, torch.bfloat16)
 
 # Layout of the per-step control vector (float64, all-reduced with SUM).
 _NONFINITE, _ENTROPY, _EPS_MIN, _EPS_MAX, _CONTROL_LEN = 0, 1, 2, 3, 4
@@ -60,8 +80,10 @@ class EDGCStats:
     """What the compressor has done so far on this replica."""
 
     step: int
-    phase: str  # "warmup" (uncompressed, maybe calibrating) or "compress"
-    rank: int  # rank in use for the next step; 0 while uncompressed
+    phase: str  # "warmup" (uncompressed, maybe calibrating) or "compress", from the next step on
+    rank: int  # rank in use from the next step on; 0 while uncompressed
+    step_phase: str  # the phase the last synchronised step ran in ("warmup" before any)
+    step_rank: int  # the rank the last step was sent at; 0 if it went uncompressed
     entropy: float  # last replica-averaged entropy estimate (nan before the first)
     min_rank: int  # r_min; 0 until known
     max_rank: int  # r_max; 0 until known (calibration)
@@ -81,12 +103,27 @@ class EDGCStats:
 
 @dataclass
 class _Group:
-    """The compressed matrices of one shape, batched into one bmm."""
+    """The compressed matrices of one shape and dtype, batched into one bmm."""
 
     shape: tuple[int, int]  # (m, n)
     slots: list[int]  # parameter slots, in slot order
-    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical
-    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own
+    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
+    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
+    dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (*self.shape, str(self.dtype))
+
+
+def _working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype compression arithmetic runs in: float32 for half-precision gradients."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _dtype_order(dtypes: Any) -> list[torch.dtype]:
+    """Distinct dtypes in a fixed order (by name), so every replica issues alike."""
+    return sorted(set(dtypes), key=str)
 
 
 class EDGCState:
@@ -107,9 +144,13 @@ class EDGCState:
         config.validate()
         # hyperparameters
         self.config = config
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        logger.info("EDGC config: %s, world size %s", config, self.world_size)
+        self._process_group = process_group
+        self._bound: tuple[int, int] | None = None  # (world size, replica rank) from the first step
+        self._group_dropped = False  # unpickled from a state whose own group could not travel
+        self._loaded: dict[str, Any] | None = None  # a state_dict loaded before the first step
+        self._loaded_identity: tuple[int, int | None, bool] | None = None  # (world, replica, strict) to check
+        self.grad_scale = 1.0  # the loss scale the gradients carry (set_grad_scale)
+        logger.info("EDGC config: %s", config)
         # pipeline stage alignment (comm.pipeline.StageAlignment), or None outside a pipeline
         self.alignment = alignment
         self._pending_alignment: tuple[int, int] | None = None
@@ -119,6 +160,8 @@ class EDGCState:
         self.phase = "warmup"
         self.applied_rank = 0  # rank of compressed steps; the controller's, or DAC's in a pipeline
         self.stage_uncompressed = False  # DAC sent this stage uncompressed for the window
+        self.step_phase = "warmup"  # what the last synchronised step did (for metrics)
+        self.step_rank = 0
         self._residual_pending = False  # error feedback may hold a residual not yet sent
         self.device: torch.device | None = None
         self.r_max = config.max_rank or 0
@@ -127,7 +170,7 @@ class EDGCState:
         self.gate = WarmupGate(config.warmup_steps, config.window, config.warmup_error_check)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.calibration: dict[str, Any] = {"points": [], "t_uncompressed": [], "done": config.max_rank is not None}
-        self.groups: dict[tuple[int, int], _Group] = {}
+        self.groups: dict[tuple[int, int, str], _Group] = {}  # by (m, n, dtype)
         self.uncompressed_slots: list[int] = []
         self._slot_of: dict[int, int] = {}  # id(param) -> slot
         self.slot_shapes: list[tuple[int, ...]] = []
@@ -139,13 +182,132 @@ class EDGCState:
         self.last_entropy = math.nan
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
-        self.compress_seconds = 0.0
-        self.comm_seconds = 0.0
-        self.entropy_seconds = 0.0
+        self._comm = LapSum()  # inside collectives, waiting included
+        self._entropy = LapSum()  # sampling and estimation
+        self._busy = LapSum()  # whole syncs; compression is the rest
         self.nonfinite_steps = 0
         self.compressed_steps = 0
 
+    # ------------------------------------------------------------------ the group
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are averaged over (None: the default group)."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        if self._bound is not None:
+            raise RuntimeError("the EDGC state's process group cannot change after its first step")
+        self._process_group = group
+        self._group_dropped = False
+
+    @property
+    def world_size(self) -> int:
+        """Replicas in the group: bound at the first step; before it, what the group says
+        now (1 while torch.distributed is not initialised)."""
+        if self._bound is not None:
+            return self._bound[0]
+        identity = self._identity()
+        return identity[0] if identity is not None else 1
+
+    @property
+    def replica(self) -> int:
+        """This process's rank in the group (bound at the first step, like world_size)."""
+        if self._bound is not None:
+            return self._bound[1]
+        identity = self._identity()
+        return identity[1] if identity is not None else 0
+
+    def _identity(self) -> tuple[int, int] | None:
+        """(world size, rank) in the group, or None when torch.distributed is not initialised."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.get_world_size(self._process_group), dist.get_rank(self._process_group)
+
+    def _bind(self) -> None:
+        """At the first step: fix the group's world size and this replica's rank, and check
+        a state loaded before the group existed. Raises where a job of several processes
+        would otherwise train unsynced."""
+        if self._group_dropped:
+            raise RuntimeError(
+                "this EDGC state was pickled with its own process group, which cannot travel between "
+                "processes; set state.process_group = <the DDP's group> before training")
+        identity = self._identity()
+        if identity is None:
+            env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            if env_world > 1:
+                raise RuntimeError(
+                    f"the EDGC hook ran before torch.distributed was initialised, in a job of WORLD_SIZE={env_world}: "
+                    "gradients would not be synchronised; call init_process_group first")
+            identity = (1, 0)
+        if identity[1] < 0:
+            raise RuntimeError("this process is not a member of the EDGC state's process group")
+        self._bound = identity
+        logger.info("EDGC bound to a group of %s replicas, this one rank %s", *identity)
+        if self._loaded_identity is not None:
+            self._check_identity(*self._loaded_identity)
+            self._loaded_identity = None
+
+    def _check_identity(self, world: int, replica: int | None, strict: bool) -> None:
+        if world != self.world_size:
+            raise ValueError(
+                f"EDGC state was saved with world size {world} but this job has {self.world_size}; "
+                "error-feedback buffers are per replica and cannot be remapped")
+        if replica is not None and replica != self.replica:
+            if strict:
+                raise ValueError(
+                    f"EDGC state was saved by replica {replica} but is being loaded on replica {self.replica}: "
+                    "its error-feedback buffers belong to the replica that built them. Load each replica's own "
+                    "state, or pass strict_replica=False to load another replica's on purpose")
+            logger.warning("EDGC: loading replica %s's state on replica %s (strict_replica=False)", replica, self.replica)
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Config, alignment and state_dict() only: process groups and CUDA events cannot
+        travel between processes. A state with its own group comes back without it, and
+        must be given it again (`state.process_group = group`) before its first step."""
+        if self._bound is None:
+            saved = self._loaded  # never stepped here: at most a loaded state to pass on
+        else:
+            saved = self.state_dict()
+        return {"config": self.config, "alignment": self.alignment, "state": saved,
+                "group_dropped": self._group_dropped or self._process_group is not None,
+                "grad_scale": float(self.grad_scale)}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__init__(None, d["config"], alignment=d["alignment"])
+        self._group_dropped = d["group_dropped"]
+        self.grad_scale = d["grad_scale"]
+        if d["state"] is not None:
+            self.load_state_dict(d["state"])
+
     # ------------------------------------------------------------------ public API
+
+    @property
+    def comm_seconds(self) -> float:
+        return float(self._comm)
+
+    @property
+    def entropy_seconds(self) -> float:
+        return float(self._entropy)
+
+    @property
+    def compress_seconds(self) -> float:
+        return max(0.0, float(self._busy) - float(self._comm) - float(self._entropy))
+
+    def set_grad_scale(self, scale: float) -> None:
+        """Tell the state the loss scale the next gradients carry (GradScaler.get_scale()).
+
+        The error feedback is kept in unscaled units and the entropy is measured on the
+        unscaled gradient, so a changing loss scale neither mis-sizes the residual added
+        back nor reads as an entropy change. 1.0 (the default) without a GradScaler.
+        """
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"grad scale must be a positive finite number, got {scale}")
+        self.grad_scale = scale
 
     @property
     def rank(self) -> int:
@@ -160,6 +322,8 @@ class EDGCState:
             step=self.step,
             phase=self.phase,
             rank=self.rank,
+            step_phase=self.step_phase,
+            step_rank=self.step_rank,
             entropy=self.last_entropy,
             min_rank=self.r_min,
             max_rank=self.r_max,
@@ -173,16 +337,25 @@ class EDGCState:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything mutable, so that load_state_dict continues exactly (CPU tensors)."""
+        """Everything mutable, so that load_state_dict continues exactly (CPU tensors).
+
+        It records this replica's rank: error-feedback buffers are per replica, so a
+        checkpoint holds one state per replica and each goes back to its own rank.
+        """
+        if self._bound is None and self._loaded is not None:
+            return self._loaded  # loaded but not stepped yet: pass it on unchanged
         return {
             "format": _FORMAT,
             "version": _VERSION,
             "world_size": self.world_size,
+            "replica": self.replica,
             "config": self.config.to_dict(),
             "step": self.step,
             "phase": self.phase,
             "applied_rank": self.applied_rank,
             "stage_uncompressed": self.stage_uncompressed,
+            "step_phase": self.step_phase,
+            "step_rank": self.step_rank,
             "alignment": self.alignment.state_dict() if self.alignment is not None else None,
             "r_min": self.r_min,
             "r_max": self.r_max,
@@ -191,6 +364,7 @@ class EDGCState:
             "groups": [
                 {
                     "shape": list(g.shape),
+                    "dtype": str(g.dtype).removeprefix("torch."),
                     "slots": list(g.slots),
                     "q": g.q.detach().cpu().clone(),
                     "error": None if g.error is None else g.error.detach().cpu().clone(),
@@ -208,28 +382,33 @@ class EDGCState:
                 "compress_seconds": self.compress_seconds,
                 "comm_seconds": self.comm_seconds,
                 "entropy_seconds": self.entropy_seconds,
+                "grad_scale": float(self.grad_scale),
                 "nonfinite_steps": self.nonfinite_steps,
                 "compressed_steps": self.compressed_steps,
             },
         }
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
+    def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True) -> None:
         """Restore from state_dict(); raises ValueError on a foreign or mismatched state.
 
-        A world-size mismatch is caught here. The model's parameter shapes are checked
-        at the first synchronised step, when DDP shows them to the hook.
+        World size and replica are checked here when the process group exists, else at
+        the first step. A state saved by another replica is refused: its error feedback
+        is that replica's (a flow that saves rank 0's state and loads it everywhere would
+        otherwise corrupt every other replica without a word). `strict_replica=False`
+        loads it on purpose, with a warning. The model's parameter shapes are checked at
+        the first synchronised step, when DDP shows them to the hook.
         """
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
             raise ValueError("not an EDGC state dict (missing format marker 'edgc-state')")
         if d.get("version") != _VERSION:
             raise ValueError(f"EDGC state version {d.get('version')} is not supported (expected {_VERSION})")
-        if d["world_size"] != self.world_size:
-            raise ValueError(
-                f"EDGC state was saved with world size {d['world_size']} but this job has "
-                f"{self.world_size}; error-feedback buffers are per replica and cannot be remapped"
-            )
         if self.step != 0:
             raise ValueError("load_state_dict must be called before the first training step")
+        identity = (int(d["world_size"]), None if d.get("replica") is None else int(d["replica"]), strict_replica)
+        if self._bound is not None or self._identity() is not None:
+            self._check_identity(*identity)
+        else:
+            self._loaded_identity = identity  # checked when the hook binds its group
         if d["config"] != self.config.to_dict():
             changed = sorted(k for k, v in d["config"].items() if self.config.to_dict().get(k) != v)
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values", changed)
@@ -238,6 +417,8 @@ class EDGCState:
         # (states written before pipelines existed lack the next three keys)
         self.applied_rank = int(d.get("applied_rank", d["controller"]["rank"]))
         self.stage_uncompressed = bool(d.get("stage_uncompressed", False))
+        self.step_phase = d.get("step_phase", self.phase)
+        self.step_rank = int(d.get("step_rank", self.rank))
         self._residual_pending = self.phase == "compress"  # (flushing zeros is harmless)
         if (d.get("alignment") is None) != (self.alignment is None):
             raise ValueError("EDGC state and this job differ in pipeline stage alignment (DAC): "
@@ -252,8 +433,14 @@ class EDGCState:
         self.controller.load_state_dict(d["controller"])
         self.gate.load_state_dict(d["gate"])
         self.calibration = dict(d["calibration"])
-        for k, v in d["stats"].items():
+        stats = dict(d["stats"])
+        self._comm = LapSum(stats.pop("comm_seconds"))
+        self._entropy = LapSum(stats.pop("entropy_seconds"))
+        self._busy = LapSum(stats.pop("compress_seconds") + float(self._comm) + float(self._entropy))
+        self.grad_scale = float(stats.pop("grad_scale", 1.0))
+        for k, v in stats.items():
             setattr(self, k, v)
+        self._loaded = d
 
     # ------------------------------------------------------------------ the step
 
@@ -290,18 +477,22 @@ class EDGCState:
         for g in self._pending_groups or []:
             ref = views[g["slots"][0]]
             shape = (int(g["shape"][0]), int(g["shape"][1]))
-            error = None if g["error"] is None else g["error"].to(device=ref.device, dtype=ref.dtype)
-            self.groups[shape] = _Group(shape, list(g["slots"]), g["q"].to(device=ref.device, dtype=ref.dtype), error)
+            work = _working_dtype(ref.dtype)
+            error = None if g["error"] is None else g["error"].to(device=ref.device, dtype=work)
+            group = _Group(shape, list(g["slots"]), g["q"].to(device=ref.device, dtype=work), error, ref.dtype)
+            self.groups[group.key] = group
         self._pending_groups = None
         if self.phase == "compress" and self.config.policy == "cqm":
             self.controller.error_model = self._error_model()
 
     def _sync(self, pending: list[tuple[torch.Tensor, list[torch.Tensor], Any]]) -> None:
         """Synchronise one step's whole gradient; bucket buffers hold the average afterwards."""
-        t_start = time.perf_counter()
-        comm_before, entropy_before = self.comm_seconds, self.entropy_seconds
+        if self._bound is None:
+            self._bind()
         grads = self._assign_slots(pending)
         self.device = grads[0].device
+        busy = start_lap(self.device)
+        self._loaded = None  # the state has moved on from what was loaded
         self.step += 1
         step, cfg = self.step, self.config
         self.bytes_uncompressed += sum(b.numel() * b.element_size() for b, _, _ in pending)
@@ -315,21 +506,25 @@ class EDGCState:
             control = self._control(grads, [b for b, _, _ in pending], want_entropy, want_errors)
 
         # 2. The gradient itself.
-        comm_start, nonfinite_start = self.comm_seconds, self.nonfinite_steps
+        step_comm = LapSum()  # this step's time in collectives (the DAC's T(r) samples)
+        self.step_phase, self.step_rank = self.phase, 0
         if self.phase == "compress" and not self.stage_uncompressed:
-            self._compressed_sync(grads)
-            if self.alignment is not None and self.nonfinite_steps == nonfinite_start:
-                self.alignment.observe_compressed(self.rank, self.comm_seconds - comm_start)
+            nonfinite_start = self.nonfinite_steps
+            self._compressed_sync(grads, step_comm)
+            if self.nonfinite_steps == nonfinite_start:
+                self.step_rank = self.rank
+                if self.alignment is not None:
+                    self.alignment.observe_compressed(self.rank, step_comm)
         else:
             if self.phase == "compress" and self._residual_pending:
                 self._flush_error_feedback(grads)
-            t0 = time.perf_counter()
-            self._plain_sync(grads)
-            t_plain = time.perf_counter() - t0
+            plain = start_lap(self.device)
+            self._plain_sync(grads, step_comm)
+            plain.stop()
             if self.alignment is not None:
-                self.alignment.observe_uncompressed(self.comm_seconds - comm_start)
+                self.alignment.observe_uncompressed(step_comm)
             if not self.calibration["done"]:
-                self._calibrate(grads, t_plain)
+                self._calibrate(grads, float(plain))  # (warm-up only: waits for the device)
 
         # 3. Decisions at the end of the step, from replica-identical values.
         if control is not None and want_entropy:
@@ -353,26 +548,26 @@ class EDGCState:
                 )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)
-
-        elapsed = time.perf_counter() - t_start
-        self.compress_seconds += elapsed - (self.comm_seconds - comm_before) - (self.entropy_seconds - entropy_before)
+        self._busy.add(busy.stop())
 
     def _control(
         self, grads: list[torch.Tensor], buffers: list[torch.Tensor], want_entropy: bool, want_errors: bool
     ) -> torch.Tensor:
         """Measure entropy / warm-up errors locally and average them over replicas."""
-        t0 = time.perf_counter()
+        lap = start_lap(self.device)
         cfg = self.config
         control = torch.zeros(_CONTROL_LEN, dtype=torch.float64)
         control[_NONFINITE] = float(not all(bool(torch.isfinite(b).all()) for b in buffers))
         if want_entropy:
-            sample = sample_gradient(buffers, cfg.gradient_sample_rate)
+            sample = sample_gradient(buffers, cfg.gradient_sample_rate)  # a new float32/64 tensor
+            if self.grad_scale != 1.0:
+                sample.div_(self.grad_scale)  # the entropy of the true gradient, not of the scaled one
             control[_ENTROPY] = estimate_entropy(sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
         if want_errors:
             mats = [g for s, g in enumerate(grads) if compressible(self.slot_shapes[s], self.r_max, cfg.min_compression_rate)]
             eps = relative_lowrank_error(mats, [self.r_min, self.r_max]) if mats else [math.nan, math.nan]
             control[_EPS_MIN], control[_EPS_MAX] = eps
-        self.entropy_seconds += time.perf_counter() - t0
+        self._entropy.add(lap.stop())
         # collective: all-reduce SUM of 4 float64 values (32 bytes)
         self._all_reduce(control, device_copy=grads[0].device)
         control[_ENTROPY:] /= self.world_size
@@ -381,79 +576,115 @@ class EDGCState:
             self.last_entropy = float(control[_ENTROPY]) if control[_NONFINITE] == 0 else math.nan
         return control
 
-    def _plain_sync(self, grads: list[torch.Tensor]) -> None:
-        """Uncompressed average of all gradients, flattened in slot order.
+    def _plain_sync(self, grads: list[torch.Tensor], step_comm: LapSum | None = None) -> None:
+        """Uncompressed average of all gradients, flattened in slot order, one flat buffer
+        per dtype.
 
         Flattening in slot order (not bucket order) keeps the reduction layout the same
         before and after DDP rebuilds its buckets, so a resumed run sums in the same order.
         """
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        # collective: all-reduce SUM of the whole gradient (numel * element_size bytes)
-        self._all_reduce(flat)
-        flat.div_(self.world_size)
-        _scatter(flat, grads)
+        flats = _flatten_by_dtype(grads, range(len(grads)))
+        # collectives: all-reduce SUM of the whole gradient, one per dtype (numel * element_size bytes)
+        self._wait([self._all_reduce(flat, async_op=True) for flat, _ in flats], step_comm)
+        for flat, slots in flats:
+            flat.div_(self.world_size)
+            _scatter(flat, [grads[s] for s in slots])
 
-    def _compressed_sync(self, grads: list[torch.Tensor]) -> None:
-        """PowerSGD round with error feedback over all compressible matrices; see module doc."""
-        cfg = self.config
-        # Uncompressed part (1-D tensors, small matrices): one flat all-reduce.
-        flat = torch.cat([grads[s].reshape(-1) for s in self.uncompressed_slots]) if self.uncompressed_slots else None
+    def _compressed_sync(self, grads: list[torch.Tensor], step_comm: LapSum) -> None:
+        """PowerSGD round with error feedback over all compressible matrices; see module doc.
+
+        M, P, Q and the error feedback are in each group's working dtype (float32 for half
+        gradients); P and Q travel in the gradients' dtype, one flat buffer per dtype.
+        """
+        cfg, scale = self.config, self.grad_scale
+        # Uncompressed part (1-D tensors, small matrices): one flat all-reduce per dtype.
+        flats = _flatten_by_dtype(grads, self.uncompressed_slots)
         groups = list(self.groups.values())
         ms: list[torch.Tensor] = []
         for g in groups:
-            m = torch.stack([grads[s].reshape(g.shape) for s in g.slots])  # (B, m, n)
+            work = _working_dtype(g.dtype)
+            m = torch.stack([grads[s].reshape(g.shape) for s in g.slots]).to(work)  # (B, m, n)
             if g.error is not None:
-                m.add_(g.error)
+                m.add_(g.error, alpha=scale)  # (the residual is kept unscaled)
             if not cfg.warm_start:
-                g.q = draw_q(len(g.slots), g.shape[1], g.q.shape[-1], self.generator, dtype=m.dtype, device=m.device)
+                g.q = draw_q(len(g.slots), g.shape[1], g.q.shape[-1], self.generator, dtype=work, device=m.device)
             ms.append(m)
-        # P = M Q, all groups in one flat buffer
-        p_sizes = [len(g.slots) * g.shape[0] * g.q.shape[-1] for g in groups]
-        p_flat = torch.empty(sum(p_sizes), dtype=grads[0].dtype, device=grads[0].device)
-        ps = [v.view(len(g.slots), g.shape[0], g.q.shape[-1]) for v, g in zip(p_flat.split(p_sizes), groups)]
+        wire = _dtype_order(g.dtype for g in groups)
+        # P = M Q, each group's P a view of its dtype's flat buffer
+        p_flats, ps, p_sends = self._factor_buffers(groups, wire, lambda g: g.shape[0])
         for m, g, p in zip(ms, groups, ps):
             project_p(m, g.q, out=p)
-        # collectives: all-reduce SUM of the uncompressed part, then of P ((m*r) per matrix)
-        works = []
-        if flat is not None:
-            works.append(self._all_reduce(flat, async_op=True))
-        if groups:
-            works.append(self._all_reduce(p_flat, async_op=True))
-        self._wait(works)
+        for p, send in zip(ps, p_sends):
+            if send is not p:
+                send.copy_(p)  # (to the wire dtype)
+        # collectives: all-reduce SUM of the uncompressed part, then of P ((m*r) per matrix),
+        # one buffer per dtype each
+        works = [self._all_reduce(flat, async_op=True) for flat, _ in flats]
+        works += [self._all_reduce(p_flat, async_op=True) for p_flat in p_flats]
+        self._wait(works, step_comm)
 
-        if (flat is not None and not bool(torch.isfinite(flat).all())) or not bool(torch.isfinite(p_flat).all()):
+        if not all(bool(torch.isfinite(t).all()) for t in [*(f for f, _ in flats), *p_flats]):
             # Some replica had inf/nan: every replica sees the same non-finite sum, so all
             # take this branch. Pass the raw gradient through (the optimiser or GradScaler
             # skips the step) and leave error feedback and Q untouched.
             self.nonfinite_steps += 1
-            self._plain_sync(grads)
+            self._plain_sync(grads, step_comm)
             return
 
-        for p in ps:
+        for p, send in zip(ps, p_sends):
+            if send is not p:
+                p.copy_(send)  # the sum, as it arrived
             orthogonalize_(p)
-        q_sizes = [len(g.slots) * g.shape[1] * g.q.shape[-1] for g in groups]
-        q_flat = torch.empty(sum(q_sizes), dtype=grads[0].dtype, device=grads[0].device)
-        qs = [v.view(len(g.slots), g.shape[1], g.q.shape[-1]) for v, g in zip(q_flat.split(q_sizes), groups)]
-        for m, p, q in zip(ms, ps, qs):
+        q_flats, qs, q_sends = self._factor_buffers(groups, wire, lambda g: g.shape[1])
+        for m, p, q, send in zip(ms, ps, qs, q_sends):
             project_q(m, p, out=q)
+            if send is not q:
+                send.copy_(q)
         if groups:
-            # collective: all-reduce SUM of Q ((n*r) per matrix)
-            self._wait([self._all_reduce(q_flat, async_op=True)])
-            q_flat.div_(self.world_size)
+            # collectives: all-reduce SUM of Q ((n*r) per matrix), one buffer per dtype
+            self._wait([self._all_reduce(q_flat, async_op=True) for q_flat in q_flats], step_comm)
+        for q, send in zip(qs, q_sends):
+            if send is not q:
+                q.copy_(send)
+            q.div_(self.world_size)
 
         for m, g, p, q in zip(ms, groups, ps, qs):
-            m_hat = reconstruct(p, q)  # (B, m, n)
+            m_hat = reconstruct(p, q)  # (B, m, n), working dtype
             for i, s in enumerate(g.slots):
                 grads[s].copy_(m_hat[i].view(grads[s].shape))
             if g.error is not None:
                 g.error = error_feedback_(m, m_hat)
+                if scale != 1.0:
+                    g.error.div_(scale)
             g.q = q.clone()
             self._revive_dead_q(g)
-        if flat is not None:
+        for flat, slots in flats:
             flat.div_(self.world_size)
-            _scatter(flat, [grads[s] for s in self.uncompressed_slots])
+            _scatter(flat, [grads[s] for s in slots])
         self.compressed_steps += 1
         self._residual_pending = True
+
+    def _factor_buffers(
+        self, groups: list[_Group], wire: list[torch.dtype], rows: Any
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Flat wire buffers (one per dtype, in `wire` order) for one factor of every group,
+        whose matrix has `rows(g)` rows; returns (flats, working views, wire views).
+
+        Where a group works in its wire dtype, its working view is its wire view (no copy).
+        """
+        device = self.device
+        flats, sends = [], [None] * len(groups)
+        for dtype in wire:
+            members = [i for i, g in enumerate(groups) if g.dtype == dtype]
+            sizes = [len(groups[i].slots) * rows(groups[i]) * groups[i].q.shape[-1] for i in members]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for i, view in zip(members, flat.split(sizes)):
+                g = groups[i]
+                sends[i] = view.view(len(g.slots), rows(g), g.q.shape[-1])  # (B, rows, r)
+            flats.append(flat)
+        works = [send if _working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=_working_dtype(g.dtype))
+                 for g, send in zip(groups, sends)]
+        return flats, works, sends
 
     def align(self) -> None:
         """In a pipeline: finish a window-end decision with the DAC exchange between stages
@@ -484,8 +715,15 @@ class EDGCState:
             if g.error is None:
                 continue
             for i, s in enumerate(g.slots):
-                grads[s].add_(g.error[i].view(grads[s].shape))
+                grads[s].add_(g.error[i].view(grads[s].shape), alpha=self.grad_scale)
             g.error.zero_()
+
+    def scale_error_feedback(self, factor: float) -> None:
+        """Multiply every error-feedback buffer by `factor` (for callers that change the
+        gradient's units themselves; set_grad_scale covers GradScaler)."""
+        for g in self.groups.values():
+            if g.error is not None:
+                g.error.mul_(factor)
 
     def _set_rank(self, rank: int) -> None:
         """Resize every group's Q to `rank` (capped by the matrix), keeping the warm start."""
@@ -505,30 +743,31 @@ class EDGCState:
     def _start_compression(self, grads: list[torch.Tensor]) -> None:
         """Leave warm-up: fix which slots compress, build groups and the error model."""
         cfg = self.config
-        shapes: dict[tuple[int, int], list[int]] = {}
+        members: dict[tuple[int, int, torch.dtype], list[int]] = {}
         self.uncompressed_slots = []
         for s, shape in enumerate(self.slot_shapes):
             if compressible(shape, self.r_max, cfg.min_compression_rate):
                 mat = (int(shape[0]), int(math.prod(shape[1:])))
-                shapes.setdefault(mat, []).append(s)
+                members.setdefault((*mat, grads[s].dtype), []).append(s)
             else:
                 self.uncompressed_slots.append(s)
         rank = self.controller.start(self.r_min, self.r_max, None)
         self.applied_rank = rank
-        ref = grads[0]
+        device = grads[0].device
         self.groups = {}
-        for shape in sorted(shapes):
-            slots = shapes[shape]
-            r = min(rank, *shape)
-            q = draw_q(len(slots), shape[1], r, self.generator, dtype=ref.dtype, device=ref.device)
-            error = torch.zeros((len(slots), *shape), dtype=ref.dtype, device=ref.device) if cfg.use_error_feedback else None
-            self.groups[shape] = _Group(shape, slots, q, error)
+        for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
+            slots = members[(m, n, dtype)]
+            work = _working_dtype(dtype)
+            q = draw_q(len(slots), n, min(rank, m, n), self.generator, dtype=work, device=device)
+            error = torch.zeros((len(slots), m, n), dtype=work, device=device) if cfg.use_error_feedback else None
+            group = _Group((m, n), slots, q, error, dtype)
+            self.groups[group.key] = group
         if cfg.policy == "cqm":
             self.controller.error_model = self._error_model()
         self.phase = "compress"
         logger.info(
-            "EDGC: compression starts after step %s at rank %s (r_min %s, r_max %s); %s matrices in %s shapes",
-            self.step, rank, self.r_min, self.r_max, sum(len(s) for s in shapes.values()), len(shapes),
+            "EDGC: compression starts after step %s at rank %s (r_min %s, r_max %s); %s matrices in %s groups",
+            self.step, rank, self.r_min, self.r_max, sum(len(s) for s in members.values()), len(members),
         )
 
     def _error_model(self) -> ErrorModel:
@@ -540,7 +779,8 @@ class EDGCState:
 
         One probe rank per warm-up step: `calibration_repeats` timed compressed rounds on
         a copy of this step's gradient, without touching any state. Times are agreed as
-        the maximum over replicas, so every replica reaches the same r_max.
+        the maximum over replicas, so every replica reaches the same r_max. On CUDA the
+        probe is timed with events and read at once (a decision needs it; warm-up only).
         """
         cfg, cal = self.config, self.calibration
         mats_all = [(s, g) for s, g in enumerate(grads) if g.dim() >= 2]
@@ -556,10 +796,10 @@ class EDGCState:
             self._finish_calibration(rank_cap=cap)
             return
         generator = torch.Generator().manual_seed(cfg.seed + 1 + k)
-        t0 = time.perf_counter()
+        lap = start_lap(self.device)
         for _ in range(cfg.calibration_repeats):
             self._probe_round(mats, r, generator)
-        t_probe = (time.perf_counter() - t0) / cfg.calibration_repeats
+        t_probe = float(lap.stop()) / cfg.calibration_repeats
         times = torch.tensor([t_plain, t_probe], dtype=torch.float64)
         # collective: all-reduce MAX of two float64 timings (16 bytes)
         self._all_reduce(times, op=dist.ReduceOp.MAX, device_copy=grads[0].device)
@@ -570,21 +810,22 @@ class EDGCState:
             self._finish_calibration(rank_cap=cap)
 
     def _probe_round(self, mats: list[torch.Tensor], rank: int, generator: torch.Generator) -> None:
-        """One timed compressed round (P and Q all-reduces) whose result is thrown away."""
-        ps, qs = [], []
+        """One timed compressed round (P and Q all-reduces, one buffer per dtype each) whose
+        result is thrown away."""
+        ps = []
         for m in mats:
             q = draw_q(1, m.shape[1], min(rank, *m.shape), generator, dtype=m.dtype, device=m.device)
             ps.append(project_p(m.unsqueeze(0), q))
-        p_flat = torch.cat([p.reshape(-1) for p in ps])
-        # collective (calibration only): all-reduce SUM of P
-        self._all_reduce(p_flat)
-        for m, p, v in zip(mats, ps, p_flat.split([p.numel() for p in ps])):
-            p.copy_(v.view_as(p))
-            orthogonalize_(p)
-            qs.append(project_q(m.unsqueeze(0), p))
-        q_flat = torch.cat([q.reshape(-1) for q in qs])
-        # collective (calibration only): all-reduce SUM of Q
-        self._all_reduce(q_flat)
+        p_flats = _flatten_by_dtype(ps, range(len(ps)))
+        # collectives (calibration only): all-reduce SUM of P, one per dtype
+        self._wait([self._all_reduce(flat, async_op=True) for flat, _ in p_flats])
+        for flat, idx in p_flats:
+            _scatter(flat, [ps[i] for i in idx])
+        qs = []
+        for m, p in zip(mats, ps):
+            qs.append(project_q(m.unsqueeze(0), orthogonalize_(p)))
+        # collectives (calibration only): all-reduce SUM of Q, one per dtype
+        self._wait([self._all_reduce(flat, async_op=True) for flat, _ in _flatten_by_dtype(qs, range(len(qs)))])
 
     def _finish_calibration(self, rank_cap: int) -> None:
         cal = self.calibration
@@ -605,33 +846,56 @@ class EDGCState:
     def _all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False, device_copy=None):
         """All-reduce `tensor` in place over the process group; counts its bytes as sent.
 
+        Blocking calls are timed here; an async call returns a handle for `_wait`, which
+        times the collectives it waits for as one interval.
         device_copy: for small control tensors built on the CPU, the device the backend
         needs (NCCL reduces only CUDA tensors); the result is copied back.
         """
         self.bytes_sent += tensor.numel() * tensor.element_size()
         if self.world_size == 1:
-            return _DoneWork()
-        t0 = time.perf_counter()
+            return _Issued(None, None)
+        lap = start_lap(self.device)
         if device_copy is not None and device_copy.type != "cpu":
             moved = tensor.to(device_copy)
             dist.all_reduce(moved, op=op, group=self.process_group)
             tensor.copy_(moved.cpu())
-            self.comm_seconds += time.perf_counter() - t0
-            return _DoneWork()
+            self._comm.add(lap.stop())
+            return _Issued(None, None)
         work = dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
-        self.comm_seconds += time.perf_counter() - t0
-        return work if async_op else _DoneWork()
+        if not async_op:
+            self._comm.add(lap.stop())
+            return _Issued(None, None)
+        return _Issued(work, lap)
 
-    def _wait(self, works: list[Any]) -> None:
-        t0 = time.perf_counter()
-        for w in works:
-            w.wait()
-        self.comm_seconds += time.perf_counter() - t0
+    def _wait(self, issued: list["_Issued"], step_comm: LapSum | None = None) -> None:
+        """Wait for collectives issued together; their time, from the first one's issue to
+        the end of the last wait, counts once (they overlap)."""
+        laps = [i.lap for i in issued if i.lap is not None]
+        for i in issued:
+            if i.work is not None:
+                i.work.wait()
+        if laps:
+            lap = laps[0].stop()
+            self._comm.add(lap)
+            if step_comm is not None:
+                step_comm.add(lap)
 
 
-class _DoneWork:
-    def wait(self) -> bool:
-        return True
+@dataclass
+class _Issued:
+    """An issued collective: its work handle (None: already done) and its timing lap."""
+
+    work: Any
+    lap: Lap | None
+
+
+def _flatten_by_dtype(tensors: list[torch.Tensor], order: Any) -> list[tuple[torch.Tensor, list[int]]]:
+    """The tensors at positions `order`, flattened into one buffer per dtype (dtypes in a
+    fixed order); returns (flat buffer, positions it holds) pairs. The buffers are copies."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in order:
+        by_dtype.setdefault(tensors[i].dtype, []).append(i)
+    return [(torch.cat([tensors[i].reshape(-1) for i in by_dtype[d]]), by_dtype[d]) for d in _dtype_order(by_dtype)]
 
 
 def _scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.comm.buckets import sync_with_hook
+from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.policy.dac import DACConfig, TimeModel, rank_for_budget, stage_rank
 
 __all__ = ["EDGCPipelineStage", "StageAlignment", "StageTimes"]
@@ -39,17 +40,21 @@ __all__ = ["EDGCPipelineStage", "StageAlignment", "StageTimes"]
 
 @dataclass
 class StageTimes:
-    """Wall-clock seconds of one stage in the current step (reset by the trainer)."""
+    """Seconds of one stage's work in the current step (reset by the trainer).
 
-    forward: float = 0.0  # forward_one_chunk, all micro-batches
-    backward: float = 0.0  # backward passes, all micro-batches (sync excluded when after send)
-    backward_chunks: list[float] = field(default_factory=list)  # per micro-batch, for t_mb
-    sync: float = 0.0  # the DP gradient sync
+    Device times (edgc.comm.timing laps: CUDA events on a GPU), read with float() once
+    the step is done. sync_start and sync_end are host wall-clock stamps.
+    """
+
+    forward: LapSum = field(default_factory=LapSum)  # forward_one_chunk, all micro-batches
+    backward: LapSum = field(default_factory=LapSum)  # backward passes (sync excluded when after send)
+    backward_chunks: list[Lap] = field(default_factory=list)  # per micro-batch, for t_mb
+    sync: LapSum = field(default_factory=LapSum)  # the DP gradient sync
     sync_start: float = math.nan  # time.time() at the start of the sync
     sync_end: float = math.nan  # time.time() at its end
 
     def reset(self) -> None:
-        self.forward = self.backward = self.sync = 0.0
+        self.forward, self.backward, self.sync = LapSum(), LapSum(), LapSum()
         self.backward_chunks = []
         self.sync_start = self.sync_end = math.nan
 
@@ -108,25 +113,25 @@ class EDGCPipelineStage(PipelineStage):
             self.submod.register_comm_hook(state, hook)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        lap = start_lap(self.device)
         out = super().forward_one_chunk(*args, **kwargs)
         if torch.is_grad_enabled():  # not during evaluation
-            self.times.forward += time.perf_counter() - t0
+            self.times.forward.add(lap.stop())
         return out
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         # after-send: DDP's reducer never syncs here (torch uses no_sync when not last)
         sync_here = last_backward and not self.sync_after_send
-        t0 = time.perf_counter()
+        lap = start_lap(self.device)
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=sync_here)
-        dt = time.perf_counter() - t0
+        lap.stop()
         if sync_here:  # this backward includes the DDP sync
             self.times.sync_end = time.time()
         else:
-            self.times.backward += dt
-            self.times.backward_chunks.append(dt)
+            self.times.backward.add(lap)
+            self.times.backward_chunks.append(lap)
             if self.alignment is not None:
-                self.alignment.observe_backward(dt)
+                self.alignment.observe_backward(lap)
         return result
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -135,9 +140,9 @@ class EDGCPipelineStage(PipelineStage):
                 raise RuntimeError("EDGCPipelineStage has no communication hook; call register_comm_hook first")
             state, hook = self._hook
             self.times.sync_start = time.time()
-            t0 = time.perf_counter()
+            lap = start_lap(self.device)
             sync_with_hook(list(self.submod.module.parameters()), state, hook, self.bucket_cap_bytes)
-            self.times.sync = time.perf_counter() - t0
+            self.times.sync.add(lap.stop())
             self.times.sync_end = time.time()
         if self.has_backward and self._hook is not None and hasattr(self._hook[0], "align"):
             self._hook[0].align()  # a window-end DAC decision, now that the sends are done
@@ -158,7 +163,9 @@ class StageAlignment:
          and its mean wait for the other stages (for slack="measured");
       2. all-reduce MAX over the DP group of the stage's rank (replicas agree on the max).
     Timings are this replica's own measurements; a given `eta`, `t_mb` or `t_uncompressed`
-    in DACConfig replaces the measurement (then decisions are deterministic).
+    in DACConfig replaces the measurement (then decisions are deterministic). They may
+    be given as laps (edgc.comm.timing) and are read only at a decision or a checkpoint,
+    so that on CUDA nothing waits for the device to time a step.
     """
 
     def __init__(self, stage: int, num_stages: int, pp_group: dist.ProcessGroup | None,
@@ -168,6 +175,7 @@ class StageAlignment:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is outside 0 .. {num_stages - 1}")
         self.stage, self.num_stages, self.pp_group, self.config = stage, num_stages, pp_group, config
+        self._pp_group_dropped = False  # unpickled without its group (see __getstate__)
         self.samples: list[tuple[int, float]] = []  # (rank, seconds) of compressed syncs
         self.uncompressed: list[float] = []  # seconds of uncompressed syncs
         self.backward: list[float] = []  # seconds per micro-batch backward
@@ -180,14 +188,29 @@ class StageAlignment:
         values.append(value)
         del values[: max(0, len(values) - self.config.max_samples)]
 
-    def observe_compressed(self, rank: int, seconds: float) -> None:
-        self._keep(self.samples, (int(rank), float(seconds)))
+    def observe_compressed(self, rank: int, seconds: float | Lap | LapSum) -> None:
+        self._keep(self.samples, (int(rank), seconds))
 
-    def observe_uncompressed(self, seconds: float) -> None:
-        self._keep(self.uncompressed, float(seconds))
+    def observe_uncompressed(self, seconds: float | Lap | LapSum) -> None:
+        self._keep(self.uncompressed, seconds)
 
-    def observe_backward(self, seconds: float) -> None:
-        self._keep(self.backward, float(seconds))
+    def observe_backward(self, seconds: float | Lap | LapSum) -> None:
+        self._keep(self.backward, seconds)
+
+    def _resolve(self) -> None:
+        """Read every pending lap into seconds (waits for the device's timed work)."""
+        self.samples = [(r, float(t)) for r, t in self.samples]
+        self.uncompressed = [float(t) for t in self.uncompressed]
+        self.backward = [float(t) for t in self.backward]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the pipeline group, which cannot travel between processes (set
+        `pp_group` again after unpickling) and with laps read into seconds."""
+        self._resolve()
+        d = dict(self.__dict__)
+        d["_pp_group_dropped"] = self.pp_group is not None
+        d["pp_group"] = None
+        return d
 
     def observe_wait(self, seconds: float) -> None:
         """Seconds this stage waited, after its sync, in the step's first pipeline-wide
@@ -196,6 +219,7 @@ class StageAlignment:
 
     def time_model(self) -> TimeModel | None:
         """T(r) of this stage: the given one, the fit to its measurements, or None (none yet)."""
+        self._resolve()
         if self.config.eta is not None:
             return TimeModel.given(self.config.eta, self.config.intercept)
         return TimeModel.fit(self.samples, self.config.time_model) if self.samples else None
@@ -203,11 +227,13 @@ class StageAlignment:
     def t_mb(self) -> float:
         if self.config.t_mb is not None:
             return float(self.config.t_mb)
+        self._resolve()
         return sum(self.backward) / len(self.backward) if self.backward else 0.0
 
     def t_uncompressed(self) -> float:
         if self.config.t_uncompressed is not None:
             return float(self.config.t_uncompressed)
+        self._resolve()
         return sum(self.uncompressed) / len(self.uncompressed) if self.uncompressed else math.inf
 
     # ---------------------------------------------------------------- the decision
@@ -221,6 +247,9 @@ class StageAlignment:
     def decide(self, state: Any, r_entropy: int, step: int) -> int | None:
         """This stage's rank for the next window (None: uncompressed), agreed over its DP
         group. `state` is the stage's EDGCState (its DP group, ranks, device)."""
+        if self._pp_group_dropped and self.pp_group is None:
+            raise RuntimeError("this StageAlignment was pickled without its pipeline group; "
+                               "set alignment.pp_group = <the pipeline group> before training")
         cfg, p, n = self.config, self.stage, self.num_stages
         model = self.time_model()
         r_max = int(state.r_max)
@@ -272,6 +301,7 @@ class StageAlignment:
     # ---------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
+        self._resolve()
         return {"stage": self.stage, "num_stages": self.num_stages, "samples": [list(s) for s in self.samples],
                 "uncompressed": list(self.uncompressed), "backward": list(self.backward), "waits": list(self.waits),
                 "decisions": list(self.decisions)}

@@ -36,11 +36,16 @@ def compressible(shape: tuple[int, ...] | torch.Size, rank: int, min_rate: float
 def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
     """Orthonormalise the columns of each matrix in p (B, m, r), in place; returns p.
 
-    Gram-Schmidt for r <= 2 or half precision (cheap and stable enough there, as in
-    torch's hook); Householder QR otherwise.
+    Gram-Schmidt for r <= 2 (cheap and stable enough there, as in torch's hook),
+    Householder QR otherwise. Half-precision input is orthonormalised in float32 and
+    rounded back once: Gram-Schmidt in bf16 loses orthogonality column by column
+    (8 bits of mantissa), which would leave the basis skewed.
     """
+    if p.dtype in (torch.float16, torch.bfloat16):
+        p.copy_(orthogonalize_(p.float()))
+        return p
     r = p.shape[-1]
-    if r <= 2 or p.dtype in (torch.float16, torch.bfloat16):
+    if r <= 2:
         for i in range(r):
             col = p[..., i : i + 1]  # (B, m, 1)
             # clamp, not add: an all-zero column stays zero (and finite) without biasing

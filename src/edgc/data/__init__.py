@@ -7,7 +7,7 @@ from edgc.data.corpus import (
     iter_text_files,
     split_corpus,
 )
-from edgc.data.prepare import PreparedData, prepare, prepare_builtin
+from edgc.data.prepare import PreparedData, data_tokenizer, prepare, prepare_builtin, prepare_files, write_meta
 from edgc.data.tokenizer import (
     BPETokenizer,
     GPT2Tokenizer,
@@ -28,13 +28,16 @@ __all__ = [
     "TokenFileHeader",
     "Tokenizer",
     "builtin_corpus",
+    "data_tokenizer",
     "get_batch",
     "gpt2_tokenizer",
     "iter_text_files",
     "load_tokenizer",
     "prepare",
     "prepare_builtin",
+    "prepare_files",
     "split_corpus",
     "train_bpe_tokenizer",
+    "write_meta",
     "write_token_file",
 ]

@@ -7,7 +7,10 @@ streamed to disk, so memory holds one batch of text, not the corpus.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from edgc.data.corpus import (
     DEFAULT_VAL_FRACTION,
+    Corpus,
     builtin_corpus,
     iter_text_files,
     read_text,
@@ -25,7 +29,11 @@ from edgc.data.tokens import TokenFileHeader, write_token_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PreparedData", "prepare", "prepare_builtin"]
+__all__ = ["PreparedData", "data_tokenizer", "prepare", "prepare_builtin", "prepare_files", "write_meta"]
+
+TOKENIZER_FILE = "tokenizer.json"
+"""A local BPE's file inside a prepared data folder; meta.json names it relative to the
+folder, so the folder works from any directory and after a move."""
 
 # Characters of text encoded per batch call: large enough for the tokenizers' thread
 # pools to have work, small enough to keep memory flat.
@@ -43,7 +51,8 @@ class PreparedData:
     """Token file of the validation split."""
 
     tokenizer: str
-    """Spec to pass to `load_tokenizer`: "gpt2", or the path of the saved BPE JSON."""
+    """"gpt2", or the saved BPE JSON's path relative to the data folder (see
+    `data_tokenizer`)."""
 
     train_tokens: int
     val_tokens: int
@@ -130,7 +139,8 @@ def prepare_builtin(
     split = split_corpus(builtin_corpus(max_bytes), val_fraction)
     if tokenizer == "bpe":
         tok: Tokenizer = train_bpe_tokenizer(split.train.texts(), vocab_size=vocab_size)
-        spec = str(tok.save(out_dir / "tokenizer.json"))
+        tok.save(out_dir / TOKENIZER_FILE)
+        spec = TOKENIZER_FILE
     else:
         tok = load_tokenizer(tokenizer)
         spec = tokenizer
@@ -149,3 +159,83 @@ def prepare_builtin(
         train_tokens=train.count,
         val_tokens=val.count,
     )
+
+
+def prepare_files(
+    paths: str | Path | Iterable[str | Path],
+    out_dir: str | Path,
+    tokenizer_spec: str | Path = "gpt2",
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    vocab_size: int = 2048,
+) -> PreparedData:
+    """Builds a training data folder from the user's text files and folders: `train.bin`
+    and `val.bin`, split by file (see `split_corpus`), and `meta.json`.
+
+    `tokenizer_spec`: "gpt2", "bpe" (a byte-level BPE of `vocab_size` tokens trained here
+    on the train split only), or a saved BPE JSON file. A BPE is kept in the folder as
+    tokenizer.json, so the folder does not depend on where it was made from. Raises
+    FileNotFoundError for a missing path or tokenizer, ValueError when there is no text
+    or fewer than two files.
+    """
+    out_dir = Path(out_dir)
+    # (a bad spec fails before any work)
+    tokenizer = None if str(tokenizer_spec) == "bpe" else load_tokenizer(tokenizer_spec)
+    files = list(iter_text_files(paths))
+    root = Path(os.path.commonpath([str(f.resolve().parent) for f in files]))
+    corpus = Corpus(root=root, files=tuple(sorted(f.resolve().relative_to(root).as_posix() for f in files)))
+    split = split_corpus(corpus, val_fraction)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None:
+        tokenizer = train_bpe_tokenizer(split.train.texts(), vocab_size=vocab_size)
+        tokenizer.save(out_dir / TOKENIZER_FILE)
+        spec = TOKENIZER_FILE
+    elif str(tokenizer_spec) == "gpt2":
+        spec = "gpt2"
+    else:
+        target = out_dir / TOKENIZER_FILE
+        if Path(tokenizer_spec).resolve() != target.resolve():
+            shutil.copyfile(tokenizer_spec, target)
+        spec = TOKENIZER_FILE
+    train = _write_documents(split.train.texts(), tokenizer, out_dir / "train.bin")
+    val = _write_documents(split.val.texts(), tokenizer, out_dir / "val.bin")
+    source = ", ".join(str(Path(p).resolve()) for p in ([paths] if isinstance(paths, (str, Path)) else paths))
+    write_meta(out_dir, spec, tokenizer.vocab_size, train.count, val.count, source=source,
+               files=(len(split.train.files), len(split.val.files)))
+    return PreparedData(train=out_dir / "train.bin", val=out_dir / "val.bin", tokenizer=spec,
+                        train_tokens=train.count, val_tokens=val.count)
+
+
+def write_meta(folder: Path, tokenizer: str, vocab_size: int, train_tokens: int, val_tokens: int, source: str,
+               files: tuple[int, int] | None = None) -> None:
+    """meta.json beside train.bin and val.bin: what the trainer needs to know about them.
+
+    `tokenizer` is "gpt2" or a path; a path inside `folder` is stored relative to it.
+    """
+    folder = Path(folder)
+    if tokenizer != "gpt2":
+        path = Path(tokenizer) if Path(tokenizer).is_absolute() else folder / tokenizer
+        if not Path(tokenizer).is_absolute() and not path.is_file():
+            path = Path(tokenizer)  # given relative to the working directory
+        path = path.resolve()
+        try:
+            tokenizer = path.relative_to(folder.resolve()).as_posix()
+        except ValueError:
+            tokenizer = str(path)
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab_size, "train_tokens": train_tokens,
+            "val_tokens": val_tokens, "source": source}
+    if files is not None:
+        meta["train_files"], meta["val_files"] = files
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def data_tokenizer(folder: str | Path) -> Tokenizer:
+    """The tokenizer a prepared data folder was made with (its meta.json's, a relative
+    path taken from the folder). Raises FileNotFoundError if it is missing."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} holds no meta.json; make it with `edgc prepare`")
+    spec = json.loads(meta_path.read_text())["tokenizer"]
+    if spec != "gpt2" and not Path(spec).is_absolute():
+        spec = str(folder / spec)
+    return load_tokenizer(spec)

@@ -9,12 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from edgc.config import EDGCConfig, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc")
 SCHEDULES = ("1f1b", "gpipe")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(kw_only=True)
@@ -30,6 +34,15 @@ class TrainConfig:
 
     nproc: int = 2
     """Local workers started by `edgc train` (ignored under torchrun, which sets the world)."""
+
+    device: str = "auto"
+    """Where the workers train: "auto" (CUDA when a GPU is visible, else the CPU), "cpu"
+    or "cuda". Local workers on CUDA use NCCL when each has a GPU of its own, and gloo
+    (which carries CUDA tensors) when they must share; under torchrun, NCCL on CUDA."""
+
+    dtype: str = "fp32"
+    """Compute precision: "fp32", "bf16" (autocast) or "fp16" (autocast and a GradScaler).
+    Parameters, gradients and optimiser state stay float32, as in torch's AMP recipe."""
 
     steps: int = 300
     """Optimiser steps."""
@@ -154,6 +167,12 @@ class TrainConfig:
             bad("min_lr", f"must be in [0, lr={self.lr}]")
         if self.grad_clip < 0:
             bad("grad_clip", "must be >= 0")
+        if self.device not in DEVICES:
+            bad("device", f"must be one of {DEVICES}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            bad("device", "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}")
         if self.tokenizer not in ("bpe", "gpt2"):
             bad("tokenizer", 'must be "bpe" or "gpt2"')
         if self.data is not None and not (Path(self.data) / "meta.json").is_file():
@@ -185,11 +204,26 @@ class TrainConfig:
                 bad("method", "torch-powersgd is not supported with pp > 1 (use powersgd, our static-rank compressor)")
             if self.grad_accum != 1:
                 bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
+            if self.dtype != "fp32":
+                bad("dtype", "mixed precision is not supported with pp > 1 yet (the stages exchange fp32 activations)")
             mb = self.microbatches or 2 * self.pp
             if self.batch_size % mb:
                 raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
             if self.schedule == "1f1b" and mb < self.pp:
                 raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
+
+    def resolved_device(self) -> str:
+        """"cpu" or "cuda": `device`, with "auto" decided by whether a GPU is visible."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def backend(self, world: int) -> str:
+        """The process-group backend for `world` local workers on this config's device:
+        NCCL when every worker has a GPU of its own, else gloo (CUDA tensors included)."""
+        if self.resolved_device() == "cuda" and 0 < world <= torch.cuda.device_count():
+            return "nccl"
+        return "gloo"
 
     def check_layout(self, world: int) -> None:
         """Raise ValueError unless pp * dp == world, showing the arithmetic."""
@@ -205,6 +239,7 @@ class TrainConfig:
         """A copy with every None default filled in from the run length."""
         c = dataclasses.replace(self, edgc=dict(self.edgc), dac=dict(self.dac))
         preset = PRESETS[c.preset]
+        c.device = c.resolved_device()
         if c.block_size is None:
             c.block_size = preset.block_size
         if c.min_lr is None:

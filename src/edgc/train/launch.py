@@ -29,7 +29,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, threads: int, log_level: int, args: tuple) -> None:
+def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, threads: int, log_level: int,
+            backend: str, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -41,7 +42,9 @@ def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, thread
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result: tuple[str, Any] = ("ok", fn(rank, world, *args))
         dist.destroy_process_group()
     except BaseException:  # report every failure to the parent, then exit
@@ -52,10 +55,11 @@ def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, thread
     os.replace(tmp, os.path.join(out_dir, f"{rank}.pkl"))
 
 
-def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None, threads: int | None = None) -> list[Any]:
+def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None, threads: int | None = None,
+              backend: str = "gloo") -> list[Any]:
     """Run fn(rank, world, *args) on `nproc` spawned processes; returns results by rank.
 
-    Workers meet over gloo on 127.0.0.1. `fn` must be importable (module level). Each
+    Workers meet over `backend` (gloo, or NCCL with one GPU each) on 127.0.0.1. `fn` must be importable (module level). Each
     worker gets `threads` intra-op threads (default: the cores shared out evenly).
     Raises WorkerError with the failing worker's traceback; on a timeout or Ctrl-C every
     worker is killed, so nothing is left running.
@@ -68,7 +72,7 @@ def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None
     with tempfile.TemporaryDirectory(prefix="edgc-workers-") as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, nproc, port, out_dir, threads, log_level, args), daemon=False)
+            ctx.Process(target=_worker, args=(fn, r, nproc, port, out_dir, threads, log_level, backend, args), daemon=False)
             for r in range(nproc)
         ]
         try:

@@ -301,12 +301,12 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             stats = hook_state.stats()
             times = stage.times
             mine = torch.tensor([
-                layout.stage, layout.replica, stats.rank if stats.phase == "compress" else 0,
+                layout.stage, layout.replica, stats.step_rank,
                 stats.comm_seconds - prev.comm_seconds, stats.bytes_sent - prev.bytes_sent,
                 stats.bytes_uncompressed - prev.bytes_uncompressed, times.sync_start, times.sync_end,
-                t_wall, t_wall + step_time, times.forward, times.backward, times.sync, stats.entropy,
+                t_wall, t_wall + step_time, float(times.forward), float(times.backward), float(times.sync), stats.entropy,
                 stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
-                float(stats.phase == "compress"), loss if loss is not None else 0.0,
+                float(stats.step_phase == "compress"), loss if loss is not None else 0.0,
                 _p2p_bytes(cfg, layout, stage_mod, p2p_before),
             ], dtype=torch.float64, device=device)
             prev = stats

@@ -1,10 +1,15 @@
 """The training loop: GPT-2 under DDP with a chosen gradient-sync method.
 
 Two ways in:
-- `train(cfg)`: the embedded default; prepares data, then starts `cfg.nproc` local gloo
-  workers (edgc.train.launch) and writes the summary and plots when they finish.
-- `train_distributed(cfg)`: under torchrun; joins the job it is given (NCCL when CUDA is
-  present, gloo otherwise).
+- `train(cfg)`: the embedded default; prepares data, then starts `cfg.nproc` local
+  workers (edgc.train.launch: gloo, or NCCL with a GPU per worker) and writes the summary
+  and plots when they finish.
+- `train_distributed(cfg)`: under torchrun; joins the job it is given (NCCL on CUDA,
+  gloo on the CPU).
+
+Mixed precision (`dtype`) is torch's AMP recipe: the forward pass under autocast, float32
+parameters and gradients, and for fp16 a GradScaler whose scale the EDGC state is told
+(`EDGCState.set_grad_scale`) so its error feedback and entropy stay unscaled.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from edgc.comm.baselines import (
     torch_powersgd_hook,
 )
 from edgc.config import EDGCConfig
-from edgc.data import TokenFile, get_batch, prepare_builtin
+from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -48,7 +53,7 @@ from edgc.train.summary import write_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["lr_at", "prepare_run", "train", "train_distributed", "train_worker"]
+__all__ = ["lr_at", "prepare_run", "train", "train_distributed", "train_worker", "write_meta"]
 
 
 def ensure_data(cfg: TrainConfig) -> Path:
@@ -63,13 +68,6 @@ def ensure_data(cfg: TrainConfig) -> Path:
         write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
                    prepared.train_tokens, prepared.val_tokens, source="built-in corpus (Python standard library sources)")
     return folder
-
-
-def write_meta(folder: Path, tokenizer: str, vocab_size: int, train_tokens: int, val_tokens: int, source: str) -> None:
-    """meta.json beside train.bin and val.bin: what the trainer needs to know about them."""
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab_size, "train_tokens": train_tokens,
-            "val_tokens": val_tokens, "source": source}
-    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
@@ -102,16 +100,23 @@ def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
 
 def train(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train on `cfg.nproc` local gloo workers; returns the run folder."""
+    if cfg.pp > 1 and cfg.resolved_device() == "cuda" and cfg.backend(cfg.nproc) != "nccl":
+        raise ValueError(f"pp > 1 on CUDA needs a GPU per worker (NCCL): {cfg.nproc} workers, "
+                         f"{torch.cuda.device_count()} GPUs")
     cfg = prepare_run(cfg, resume, cfg.nproc)
     data = ensure_data(cfg)
-    run_local(train_worker, cfg.nproc, cfg.to_dict(), str(data), resume)
+    run_local(train_worker, cfg.nproc, cfg.to_dict(), str(data), resume, backend=cfg.backend(cfg.nproc))
     write_summary(Path(cfg.out))
     return Path(cfg.out)
 
 
 def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun)."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if cfg.resolved_device() == "cuda" and torch.cuda.is_available():  # (else validation says why)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        backend = "nccl"
+    else:
+        backend = "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
@@ -168,13 +173,48 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
     return float(total[0] / total[1])
 
 
+def worker_device(cfg: TrainConfig) -> torch.device:
+    """This worker's device: its GPU (LOCAL_RANK, shared round-robin when there are more
+    workers than GPUs) or the CPU. Sets it as the current CUDA device."""
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+class Precision:
+    """Autocast and, for fp16, a GradScaler: torch's AMP recipe for one training run."""
+
+    def __init__(self, dtype: str, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device_type = device.type
+        self.cast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+
+    def autocast(self) -> Any:
+        if self.cast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.cast)
+
+    def tell(self, hook_state: Any) -> None:
+        """Give the hook the loss scale the next gradients carry (fp16 only)."""
+        if self.scaler.is_enabled() and hasattr(hook_state, "set_grad_scale"):
+            hook_state.set_grad_scale(self.scaler.get_scale())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, d: dict[str, Any] | None) -> None:
+        if d:
+            self.scaler.load_state_dict(d)
+
+
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
     """One replica's training loop. Rank 0 writes metrics and checkpoints."""
     cfg = TrainConfig.from_dict(cfg_dict)
-    use_cuda = dist.get_backend() == "nccl"
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = worker_device(cfg)
+    use_cuda = device.type == "cuda"
     if cfg.pp > 1:
         from edgc.train.pipeline import (
             train_pipeline_worker,  # (it imports this module)
@@ -189,6 +229,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size).to(device)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, device_ids=[device.index] if use_cuda else None)
     hook_state = _attach_hook(cfg, ddp)
+    precision = Precision(cfg.dtype, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # this replica's batches
 
@@ -198,7 +239,9 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world))
         start = restore_rank(ckpt, rank, ckpt, model, opt, hook_state, gen)
+        precision.load_state_dict(ckpt.get("scaler"))
         del ckpt
+    precision.tell(hook_state)
 
     writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
     display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
@@ -218,14 +261,18 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)
                 sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else ddp.no_sync()
                 with sync:
-                    _, loss = ddp(x, y)
-                    (loss / cfg.grad_accum).backward()
+                    with precision.autocast():
+                        _, loss = ddp(x, y)
+                    precision.scaler.scale(loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().double() / cfg.grad_accum
+            precision.scaler.unscale_(opt)  # (a no-op without fp16)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
             if torch.isfinite(norm):
-                opt.step()
+                precision.scaler.step(opt)
             else:  # the hook passed inf/nan through; skip the update on every replica alike
                 skipped += 1
+            precision.scaler.update()  # (fp16: a smaller scale after inf/nan)
+            precision.tell(hook_state)
             opt.zero_grad(set_to_none=True)
             if use_cuda:
                 torch.cuda.synchronize()
@@ -242,20 +289,21 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 "entropy_time": stats.entropy_seconds - prev.entropy_seconds,
                 "bytes_sent": stats.bytes_sent - prev.bytes_sent,
                 "bytes_uncompressed": stats.bytes_uncompressed - prev.bytes_uncompressed,
-                "rank": stats.rank, "entropy": stats.entropy, "phase": stats.phase,
+                "rank": stats.step_rank, "entropy": stats.entropy, "phase": stats.step_phase,
                 "grad_norm": float(norm), "skipped": skipped,
             }
             prev = stats
             val_loss = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                val_loss = evaluate(model, val_tokens, cfg, rank, world, device)
+                with precision.autocast():
+                    val_loss = evaluate(model, val_tokens, cfg, rank, world, device)
             if writer is not None:
                 writer.write(record)
                 if val_loss is not None:
                     writer.write({"step": step, "kind": "val", "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
             display.update(step, record, stats, val_loss)
             if step % cfg.checkpoint_every == 0 or step == last:
-                _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta)
+                _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision)
     finally:
         display.close()
         if writer is not None:
@@ -263,7 +311,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     return {"skipped": skipped, "stats": hook_state.stats()}
 
 
-def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta) -> None:
+def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision) -> None:
     """Gather every replica's compression state to rank 0, which writes atomically."""
     mine = {"comm": hook_state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
     gathered: list[Any] | None = [None] * world if rank == 0 else None
@@ -274,5 +322,6 @@ def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta) -> No
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),
             "model": model.state_dict(), "optimizer": opt.state_dict(), "replicas": gathered,
+            "scaler": precision.state_dict(),
         })
     dist.barrier()

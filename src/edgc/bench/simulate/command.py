@@ -1,0 +1,127 @@
+"""The `edgc simulate` subcommand: `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from edgc.bench.simulate.cluster import ClusterSpec, load_cluster
+from edgc.bench.simulate.costs import CostSource
+from edgc.bench.simulate.gpu import GPUS, RooflineModel, find_gpu
+from edgc.bench.simulate.model import SimOptions, parse_schedule, simulate
+from edgc.bench.simulate.profile import CostProfile, DeviceTimer
+from edgc.bench.simulate.report import format_projection
+from edgc.models.gpt2 import PRESETS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_parser", "cost_source", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the `simulate` subcommand to `sub` (run it with `run`)."""
+    p = sub.add_parser(
+        "simulate", help="project per-step DP sync and training time onto a cluster (α–β model)",
+        description="Project none, static PowerSGD and EDGC onto a cluster with an α–β network model and the "
+                    "model's real gradient shapes. Compression costs come from a roofline model of the "
+                    "cluster's GPU (the default), a saved profile (--profile), or timing on a local device "
+                    "(--device).")
+    p.add_argument("--cluster", default="paper-2.5b",
+                   help="a bundled cluster (paper-2.5b, paper-12.1b) or a TOML file of ClusterSpec fields")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model preset (default: the cluster's)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the cluster's)")
+    p.add_argument("--rank-max", type=int, default=32, help="r_max: static PowerSGD rank and EDGC's upper bound")
+    p.add_argument("--rank-min", type=int, default=None, help="r_min (default: rank-max // 4)")
+    p.add_argument("--warmup-fraction", type=float, default=0.1, help="share of steps trained uncompressed")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--edgc-mean-rank", type=float, default=None,
+                       help="EDGC stage-0 rank held constant after warm-up")
+    group.add_argument("--edgc-schedule", default=None,
+                       help='EDGC stage-0 rank as "FRACTION:RANK,..." knots, e.g. "0.1:32,1.0:8" '
+                            "(default: warm-up, then r_max falling linearly to r_min)")
+    costs = p.add_mutually_exclusive_group()
+    costs.add_argument("--gpu", default=None,
+                       help=f"cost compression with the roofline model of this GPU instead of the cluster's "
+                            f"({', '.join(GPUS)})")
+    costs.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="time the compression on this local device instead of modelling it; cpu must be "
+                            "asked for, and its timings are flagged when projected onto a GPU cluster")
+    p.add_argument("--profile", metavar="FILE",
+                   help="load compression costs saved by --save-profile; missing ones are filled from --gpu "
+                        "or --device when given, else it is an error")
+    p.add_argument("--save-profile", metavar="FILE",
+                   help="write the (unscaled) cost profile, with where its numbers came from, as JSON")
+    p.add_argument("--compute-scale", type=float, default=1.0,
+                   help="multiply compression/entropy times by this (default 1: as modelled or measured)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per shape and rank (--device only)")
+
+
+def _timing_dtype(device: str, cluster: ClusterSpec) -> str:
+    """The gradient dtype to time with: the cluster's (its GPU's half type for 2-byte gradients).
+
+    The compression arithmetic itself runs in float32 either way (edgc.comm.hook's
+    working dtype), so only the conversions are in the half type.
+    """
+    if cluster.grad_bytes == 4:
+        return "float32"
+    gpu = cluster.gpu_spec
+    if gpu is not None:
+        return gpu.half_dtype
+    if device == "cuda" and not torch.cuda.is_bf16_supported():
+        return "float16"
+    return "bfloat16"
+
+
+def cost_source(args: argparse.Namespace, cluster: ClusterSpec) -> CostSource | None:
+    """Return what fills the cost profile, from the parsed flags and the cluster.
+
+    --device: a DeviceTimer (never chosen silently); --gpu: that GPU's roofline model; else,
+    without --profile, the roofline model of the cluster's GPU; with --profile only: None
+    (the file must hold every cost). Raises ValueError when there is nothing to cost with.
+    """
+    if args.device is not None:
+        if args.device == "cpu" and cluster.gpu is not None:
+            logger.warning("timing compression on this CPU and projecting it onto %s GPUs, as asked", cluster.gpu)
+        return DeviceTimer(args.device, dtype=_timing_dtype(args.device, cluster), repeats=args.repeats)
+    if args.gpu is not None:
+        return RooflineModel(gpu=find_gpu(args.gpu), element_bytes=cluster.grad_bytes)
+    if args.profile:
+        return None
+    if cluster.gpu is None:
+        raise ValueError(
+            f"cluster {cluster.name!r} names no GPU, so there is no roofline model to cost compression with: "
+            f'add gpu = "H100" (or {", ".join(GPUS)}) to its file, give --gpu NAME, load a profile with '
+            "--profile FILE, or time it here with --device cuda (or, explicitly, --device cpu)")
+    return RooflineModel(gpu=find_gpu(cluster.gpu), element_bytes=cluster.grad_bytes)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `edgc simulate` from parsed arguments: print the markdown report; returns 0.
+
+    Writes the cost profile to --save-profile when given. Raises ValueError or
+    FileNotFoundError for bad input (the CLI prints them).
+    """
+    cluster = load_cluster(args.cluster)
+    overrides = {k: v for k, v in (("preset", args.preset), ("steps", args.steps)) if v is not None}
+    if overrides:
+        cluster = ClusterSpec.from_dict({**cluster.__dict__, **overrides})
+    schedule = None
+    if args.edgc_mean_rank is not None:
+        schedule = ((args.warmup_fraction, args.edgc_mean_rank), (1.0, args.edgc_mean_rank))
+    elif args.edgc_schedule:
+        schedule = parse_schedule(args.edgc_schedule)
+    opts = SimOptions(rank_max=args.rank_max, rank_min=args.rank_min, warmup_fraction=args.warmup_fraction,
+                      edgc_schedule=schedule)
+    profile = CostProfile(cost_source(args, cluster), compute_scale=args.compute_scale)
+    if args.profile:
+        profile.load(args.profile)
+    proj = simulate(cluster, profile, opts)
+    if profile.measured:
+        print(f"(measured {profile.measured} cost entries on {args.device} in {profile.fill_seconds:.1f}s)")
+    if args.save_profile:
+        profile.save(args.save_profile)
+        print(f"cost profile: {args.save_profile}")
+    print(format_projection(proj, profile), end="")
+    return 0

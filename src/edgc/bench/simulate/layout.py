@@ -1,0 +1,99 @@
+"""Which gradient each GPU of a tensor- and pipeline-parallel layout all-reduces over its DP group.
+
+`stage_gradients` splits a model's real parameter shapes (the model may live on the meta
+device) the way Megatron lays them out, one `StageGradients` per pipeline stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from edgc.models.gpt2 import GPT
+
+__all__ = ["StageGradients", "stage_gradients"]
+
+
+@dataclass(frozen=True)
+class StageGradients:
+    """The gradient one GPU of pipeline stage `stage` all-reduces over its DP group."""
+
+    stage: int
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes of the tensors of this GPU's (stage, tensor-parallel rank) shard."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the shard: the sum of its tensors' sizes."""
+        return sum(math.prod(s) for s in self.shapes)
+
+
+# Megatron's split dimension of each block parameter, by name suffix, for nn.Linear's
+# (out_features, in_features) weights: column-parallel layers (qkv, fc) split the output
+# dimension and their bias with it; row-parallel layers (attn proj, mlp proj) split the
+# input dimension and keep their bias whole. LayerNorms are replicated.
+_TP_SPLIT = {
+    "attn.c_attn.weight": 0,
+    "attn.c_attn.bias": 0,
+    "mlp.c_fc.weight": 0,
+    "mlp.c_fc.bias": 0,
+    "attn.c_proj.weight": 1,
+    "mlp.c_proj.weight": 1,
+}
+_REPLICATED = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias")
+
+
+def _shard(shape: torch.Size, dim: int | None, tp: int) -> tuple[int, ...]:
+    """`shape` with dimension `dim` divided by tp (rounded up); unchanged when dim is None."""
+    out = [int(d) for d in shape]
+    if dim is not None:
+        out[dim] = -(-out[dim] // tp)
+    return tuple(out)
+
+
+def stage_gradients(model: GPT, tp: int, pp: int) -> list[StageGradients]:
+    """Return, per pipeline stage, the gradient shapes one GPU of that stage synchronises.
+
+    A simplified Megatron layout of the model's real parameters (`model` may live on the
+    meta device):
+
+    - blocks are split evenly over the pp stages (the first n_layer % pp stages get one
+      more); stage 0 also holds wte and wpe, the last stage ln_f;
+    - the head is tied to wte and counted once, on stage 0 (Megatron keeps a copy on the
+      last stage and all-reduces the two copies' gradients; that extra sync is left out);
+    - wte is split over tp along the vocabulary (rounded up; Megatron pads the vocabulary
+      to a multiple of 128·tp instead); wpe and LayerNorms are replicated;
+    - qkv and fc are column-parallel (output dimension and bias split), attn proj and mlp
+      proj row-parallel (input dimension split, bias replicated).
+
+    Raises ValueError if pp exceeds the number of blocks or a parameter has no known place.
+    Changes nothing.
+    """
+    n_layer = model.config.n_layer
+    if pp > n_layer:
+        raise ValueError(f"pp({pp}) exceeds the model's {n_layer} blocks")
+    per_stage = [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
+    first_block = [sum(per_stage[:s]) for s in range(pp)]
+    stage_of_block = {b: s for s in range(pp) for b in range(first_block[s], first_block[s] + per_stage[s])}
+    shapes: list[list[tuple[int, ...]]] = [[] for _ in range(pp)]
+    for name, p in model.named_parameters():  # a tied parameter is yielded once (as wte.weight)
+        if name == "wte.weight":
+            shapes[0].append(_shard(p.shape, 0, tp))  # (V/tp, C)
+        elif name == "wpe.weight":
+            shapes[0].append(_shard(p.shape, None, tp))  # (block_size, C)
+        elif name.startswith("ln_f."):
+            shapes[pp - 1].append(_shard(p.shape, None, tp))
+        elif name.startswith("h."):
+            _, index, rest = name.split(".", 2)
+            if rest in _TP_SPLIT:
+                dim = _TP_SPLIT[rest]
+            elif rest in _REPLICATED:
+                dim = None
+            else:
+                raise ValueError(f"parameter {name!r} has no tensor-parallel layout in stage_gradients")
+            shapes[stage_of_block[int(index)]].append(_shard(p.shape, dim, tp))
+        else:
+            raise ValueError(f"parameter {name!r} has no pipeline stage in stage_gradients")
+    return [StageGradients(s, tuple(sh)) for s, sh in enumerate(shapes)]

@@ -1,0 +1,132 @@
+"""Commands as the README writes them, run as a user runs them: `edgc prepare` on a folder,
+`edgc train` on that folder from another directory, precision and device flags, and the
+metrics a run writes."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgc.cli import main
+from edgc.data import data_tokenizer
+from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.metrics import read_metrics
+
+TEXT = """The quick brown fox jumps over the lazy dog. {i} Pack my box with five dozen liquor jugs.
+How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. {i}
+"""
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("texts")
+    (root / "notes").mkdir()
+    for i in range(12):
+        (root / ("notes" if i % 2 else ".") / f"doc{i}.txt").write_text(TEXT.format(i=i) * 40)
+    (root / ".hidden.txt").write_text("not this")
+    return root
+
+
+def _edgc(*args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "edgc", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return proc
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
+def test_prepare_a_folder_then_train_from_another_directory(tmp_path, texts, tokenizer):
+    work = tmp_path / "work"
+    work.mkdir()
+    os.symlink(texts, work / "texts")
+    proc = _edgc("prepare", "texts/", "--out", "data/mine", "--tokenizer", tokenizer, "--vocab-size", "300", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert "train /" in proc.stdout and "validation tokens" in proc.stdout
+    meta = json.loads((work / "data/mine/meta.json").read_text())
+    assert meta["train_files"] + meta["val_files"] == 12
+    if tokenizer == "bpe":
+        assert meta["tokenizer"] == "tokenizer.json"  # inside the folder, relative to it
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert data_tokenizer(work / "data/mine").vocab_size == meta["vocab_size"]
+    # a second prepare reuses the saved tokenizer file, from a list of files
+    if tokenizer == "bpe":
+        proc = _edgc("prepare", "texts/doc0.txt", "texts/notes", "--out", str(tmp_path / "again"),
+                     "--tokenizer", "data/mine/tokenizer.json", cwd=work)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((tmp_path / "again/meta.json").read_text())["vocab_size"] == meta["vocab_size"]
+    proc = _edgc("train", "--data", str(work / "data/mine"), "--out", "run", "--steps", "3", "--batch-size", "2",
+                 "--block-size", "16", "--eval-batches", "2", "--no-progress", "--method", "none", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert (elsewhere / "run" / "summary.md").is_file()
+
+
+def test_prepare_errors_are_clear(tmp_path, texts):
+    proc = _edgc("prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "d"), cwd=tmp_path)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _edgc("prepare", str(texts / "doc0.txt"), "--out", str(tmp_path / "d"), cwd=tmp_path)
+    assert proc.returncode == 2 and "at least two files" in proc.stderr
+    proc = _edgc("prepare", str(texts), "--out", str(tmp_path / "d"), "--tokenizer", "nope.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "nope.json" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory, texts):
+    out = tmp_path_factory.mktemp("small") / "data"
+    assert main(["prepare", str(texts), "--out", str(out), "--tokenizer", "bpe", "--vocab-size", "300"]) == 0
+    return out
+
+
+def _train(data, out, *extra):
+    return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
+            "--eval-batches", "2", "--no-progress", "--rank", "4", *extra]
+
+
+def test_metrics_show_what_each_step_did(tmp_path, small_data):
+    out = tmp_path / "run"
+    assert main(_train(small_data, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
+                       "--edgc-window", "2")) == 0
+    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    # steps 1-2 are the warm-up: sent whole (plus the small control vector), at rank 0
+    for r in train[:2]:
+        assert (r["phase"], r["rank"]) == ("warmup", 0), r
+        assert r["bytes_sent"] >= r["bytes_uncompressed"]
+    for r in train[2:]:
+        assert r["phase"] == "compress" and r["rank"] == 4, r
+        assert r["bytes_sent"] < r["bytes_uncompressed"] / 2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_resumes_exactly(tmp_path, small_data, dtype):
+    common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4",
+              "--edgc-warmup-steps", "2", "--edgc-window", "2", "--dtype", dtype, "--device", "cpu"]
+    straight = tmp_path / "straight"
+    assert main(_train(small_data, straight, *common)) == 0
+    part = tmp_path / "part"
+    assert main(_train(small_data, part, *common, "--stop-after", "4")) == 0
+    assert main(["train", "--resume", str(part), "--stop-after", "8", "--no-progress"]) == 0
+    a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
+    b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
+    assert a == b
+    assert all(math.isfinite(r[1]) for r in a if r[1] is not None)
+    saved = json.loads((straight / "config.json").read_text())
+    assert (saved["dtype"], saved["device"]) == (dtype, "cpu")
+    import torch
+
+    ckpt = torch.load(straight / CHECKPOINT_NAME, weights_only=False)
+    if dtype == "fp16":
+        assert ckpt["scaler"]["scale"] > 0  # the GradScaler's state resumes with the run
+        assert ckpt["replicas"][0]["comm"]["stats"]["grad_scale"] == ckpt["scaler"]["scale"]
+
+
+def test_device_and_dtype_errors(tmp_path, small_data, capsys):
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(_train(small_data, tmp_path / "a", "--device", "cuda")) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+    assert main(_train(small_data, tmp_path / "b", "--dtype", "fp8")) == 2
+    assert "dtype" in capsys.readouterr().err
+    assert main(_train(small_data, tmp_path / "c", "--device", "tpu")) == 2
+    assert "device" in capsys.readouterr().err

@@ -1,0 +1,45 @@
+"""The CUDA path: run where a GPU is present (marked `cuda`; skipped without one, as in CI).
+
+Two processes share one GPU over gloo (which carries CUDA tensors); NCCL, which needs a GPU
+per process, is used when there are two.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import workers
+from harness import run_workers
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_hook_on_cuda_bf16_replicas_identical_and_timed():
+    cfg = dict(policy="cqm", max_rank=4, min_rank=2, rank_step=2, window=3, warmup_steps=2,
+               iteration_sample_rate=1.0, warmup_error_check=False, min_compression_rate=1.0)
+    results = run_workers(workers.train_mixed_dtypes_cuda, 2, cfg, 12, timeout=300)
+    a, b = results
+    assert torch.equal(a["params"], b["params"])
+    assert a["stats"].compressed_steps == 10 and a["stats"].nonfinite_steps == 0
+    assert a["stats"].comm_seconds > 0 and math.isfinite(a["stats"].compress_seconds)
+
+
+def test_edgc_train_on_cuda_with_bf16(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "edgc", "train", "--device", "cuda", "--dtype", "bf16", "--nproc", "2",
+           "--steps", "20", "--out", str(out), "--no-progress", "--corpus-bytes", "400000",
+           "--data-cache", str(tmp_path / "cache"), "--edgc-warmup-steps", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["device"], saved["dtype"]) == ("cuda", "bf16")
+    train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert train[-1]["phase"] == "compress" and all(math.isfinite(r["loss"]) for r in train)
