@@ -11,9 +11,11 @@ import sys
 import pytest
 
 from edgc.cli import main
+from edgc.data import prepare_builtin
 from edgc.data import data_tokenizer
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
+from edgc.train.trainer import write_meta
 
 TEXT = """The quick brown fox jumps over the lazy dog. {i} Pack my box with five dozen liquor jugs.
 How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. {i}
@@ -72,10 +74,11 @@ def test_prepare_errors_are_clear(tmp_path, texts):
 
 
 @pytest.fixture(scope="module")
-def small_data(tmp_path_factory, texts):
-    out = tmp_path_factory.mktemp("small") / "data"
-    assert main(["prepare", str(texts), "--out", str(out), "--tokenizer", "bpe", "--vocab-size", "300"]) == 0
-    return out
+def small_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    prepared = prepare_builtin(folder, tokenizer="bpe", max_bytes=400_000, vocab_size=512)
+    write_meta(folder, prepared.tokenizer, 512, prepared.train_tokens, prepared.val_tokens, source="test")
+    return folder
 
 
 def _train(data, out, *extra):

@@ -12,7 +12,6 @@ communication/computation overlap that the others lack.
 """
 
 import math
-import time
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from edgc.comm.hook import EDGCStats
+from edgc.comm.timing import LapSum, start_lap
 
 __all__ = ["AllReduceState", "TorchPowerSGDState", "allreduce_hook", "torch_powersgd_hook"]
 
@@ -35,7 +35,15 @@ class _Counters:
         self.step = 0
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
-        self.comm_seconds = 0.0
+        self._comm = LapSum()  # device time in the hook (CUDA events on a GPU, read lazily)
+
+    @property
+    def comm_seconds(self) -> float:
+        return float(self._comm)
+
+    @comm_seconds.setter
+    def comm_seconds(self, value: float) -> None:  # (restored from a checkpoint)
+        self._comm = LapSum(value)
 
     def _rank(self) -> int:
         return 0
@@ -77,11 +85,11 @@ class AllReduceState(_Counters):
 def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over replicas (what DDP does without a hook), timing the wait."""
     buffer = bucket.buffer()
-    t0 = time.perf_counter()
+    lap = start_lap(buffer.device)
     # collective: all-reduce SUM of the bucket (numel * element_size bytes)
     dist.all_reduce(buffer, group=state.process_group)
     buffer.div_(state.world_size)
-    state.comm_seconds += time.perf_counter() - t0
+    state._comm.add(lap.stop())
     nbytes = buffer.numel() * buffer.element_size()
     state.bytes_sent += nbytes
     state.bytes_uncompressed += nbytes
@@ -153,10 +161,10 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket: dist.GradBucket) -> t
     nbytes = state.bucket_bytes(bucket)
     is_last = bucket.is_last()
     rank_now = state._rank()  # (torch's iteration counter moves on at the last bucket)
-    t0 = time.perf_counter()
+    lap = start_lap(bucket.buffer().device)
     fut = _psgd.powerSGD_hook(state.inner, bucket)
     fut.wait()
-    state.comm_seconds += time.perf_counter() - t0  # torch's hook mixes compute and waits
+    state._comm.add(lap.stop())  # torch's hook mixes compute and waits
     state.bytes_sent += nbytes
     state.bytes_uncompressed += bucket.buffer().numel() * bucket.buffer().element_size()
     if is_last:
