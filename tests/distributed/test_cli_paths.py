@@ -11,11 +11,9 @@ import sys
 import pytest
 
 from edgc.cli import main
-from edgc.data import prepare_builtin
 from edgc.data import data_tokenizer
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
-from edgc.train.trainer import write_meta
 
 TEXT = """The quick brown fox jumps over the lazy dog. {i} Pack my box with five dozen liquor jugs.
 How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. {i}
@@ -73,22 +71,14 @@ def test_prepare_errors_are_clear(tmp_path, texts):
     assert proc.returncode == 2 and "nope.json" in proc.stderr
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("small")
-    prepared = prepare_builtin(folder, tokenizer="bpe", max_bytes=400_000, vocab_size=512)
-    write_meta(folder, prepared.tokenizer, 512, prepared.train_tokens, prepared.val_tokens, source="test")
-    return folder
-
-
 def _train(data, out, *extra):
     return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
             "--eval-batches", "2", "--no-progress", "--rank", "4", *extra]
 
 
-def test_metrics_show_what_each_step_did(tmp_path, small_data):
+def test_metrics_show_what_each_step_did(tmp_path, data_dir):
     out = tmp_path / "run"
-    assert main(_train(small_data, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
+    assert main(_train(data_dir, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
                        "--edgc-window", "2")) == 0
     train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     # steps 1-2 are the warm-up: sent whole (plus the small control vector), at rank 0
@@ -101,13 +91,13 @@ def test_metrics_show_what_each_step_did(tmp_path, small_data):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_mixed_precision_trains_and_resumes_exactly(tmp_path, small_data, dtype):
+def test_mixed_precision_trains_and_resumes_exactly(tmp_path, data_dir, dtype):
     common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4",
               "--edgc-warmup-steps", "2", "--edgc-window", "2", "--dtype", dtype, "--device", "cpu"]
     straight = tmp_path / "straight"
-    assert main(_train(small_data, straight, *common)) == 0
+    assert main(_train(data_dir, straight, *common)) == 0
     part = tmp_path / "part"
-    assert main(_train(small_data, part, *common, "--stop-after", "4")) == 0
+    assert main(_train(data_dir, part, *common, "--stop-after", "4")) == 0
     assert main(["train", "--resume", str(part), "--stop-after", "8", "--no-progress"]) == 0
     a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
     b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
@@ -123,13 +113,13 @@ def test_mixed_precision_trains_and_resumes_exactly(tmp_path, small_data, dtype)
         assert ckpt["replicas"][0]["comm"]["stats"]["grad_scale"] == ckpt["scaler"]["scale"]
 
 
-def test_device_and_dtype_errors(tmp_path, small_data, capsys):
+def test_device_and_dtype_errors(tmp_path, data_dir, capsys):
     import torch
 
     if not torch.cuda.is_available():
-        assert main(_train(small_data, tmp_path / "a", "--device", "cuda")) == 2
+        assert main(_train(data_dir, tmp_path / "a", "--device", "cuda")) == 2
         assert "no CUDA device" in capsys.readouterr().err
-    assert main(_train(small_data, tmp_path / "b", "--dtype", "fp8")) == 2
+    assert main(_train(data_dir, tmp_path / "b", "--dtype", "fp8")) == 2
     assert "dtype" in capsys.readouterr().err
-    assert main(_train(small_data, tmp_path / "c", "--device", "tpu")) == 2
+    assert main(_train(data_dir, tmp_path / "c", "--device", "tpu")) == 2
     assert "device" in capsys.readouterr().err

@@ -5,21 +5,12 @@ import math
 
 import pytest
 
-from edgc.data import prepare_builtin
 from edgc.policy.dac import TimeModel, stage_rank
 from edgc.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from edgc.train.config import TrainConfig
 from edgc.train.launch import run_local
 from edgc.train.metrics import read_metrics
-from edgc.train.trainer import prepare_run, train_worker, write_meta
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    prepared = prepare_builtin(folder, tokenizer="bpe", max_bytes=400_000, vocab_size=512)
-    write_meta(folder, prepared.tokenizer, 512, prepared.train_tokens, prepared.val_tokens, source="test")
-    return folder
+from edgc.train.trainer import prepare_run, train_worker
 
 
 def _run(data_dir, out, nproc, resume=False, **kw):

@@ -7,21 +7,11 @@ import pytest
 import torch
 
 from edgc.cli import main
-from edgc.data import prepare_builtin
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
-from edgc.train.trainer import write_meta
 
 TRAIN_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time", "comm_time", "bytes_sent",
               "bytes_uncompressed", "rank", "entropy", "phase"}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    prepared = prepare_builtin(folder, tokenizer="bpe", max_bytes=400_000, vocab_size=512)
-    write_meta(folder, prepared.tokenizer, 512, prepared.train_tokens, prepared.val_tokens, source="test")
-    return folder
 
 
 def _args(data_dir, out, *extra):
