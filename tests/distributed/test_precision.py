@@ -12,19 +12,20 @@ STATIC = dict(policy="static", max_rank=4, warmup_steps=2, window=4, warmup_erro
               min_compression_rate=1.0)
 
 
-def test_mixed_dtypes_compress_with_bf16_on_the_wire():
-    # float32 and bf16 matrices and 1-D tensors in one model: one P, Q and uncompressed
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_mixed_dtypes_compress_with_half_precision_on_the_wire(half):
+    # float32 and half matrices and 1-D tensors in one model: one P, Q and uncompressed
     # buffer per dtype (a single buffer in the first slot's dtype used to crash here)
-    results = run_workers(workers.train_mixed_dtypes, 2, STATIC, 8, timeout=240)
+    results = run_workers(workers.train_mixed_dtypes, 2, STATIC, 8, half, timeout=240)
     r = results[0]
     assert r["stats"].compressed_steps == 6 and r["stats"].nonfinite_steps == 0
     assert r["groups"] == [
         ((16, 40), "torch.float32", 4, "torch.float32"),
-        ((40, 48), "torch.bfloat16", 4, "torch.float32"),  # Q works in float32
-        ((48, 24), "torch.bfloat16", 4, "torch.float32"),
+        ((40, 48), f"torch.{half}", 4, "torch.float32"),  # Q works in float32
+        ((48, 24), f"torch.{half}", 4, "torch.float32"),
     ]
     # bytes of a compressed step: 1-D tensors whole, P and Q of each matrix in its own dtype
-    # (fc1.bias is bf16 (48,), fc3.bias and scale float32 (16,))
+    # (fc1.bias is half (48,), fc3.bias and scale float32 (16,))
     whole = 48 * 2 + 16 * 4 + 16 * 4
     factors = (16 + 40) * 4 * 4 + (40 + 48) * 4 * 2 + (48 + 24) * 4 * 2
     assert r["sent"][2:] == [whole + factors] * 6

@@ -241,22 +241,23 @@ def replica_check(rank: int, world: int, config_kwargs: dict) -> dict:
 class MixedDtypeNet(nn.Module):
     """bf16 matrices and 1-D tensors beside float32 ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, half: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
+        self.half = half
         self.scale = nn.Parameter(torch.ones(16))  # float32 1-D
-        self.fc1 = nn.Linear(24, 48).to(torch.bfloat16)
-        self.fc2 = nn.Linear(48, 40, bias=False).to(torch.bfloat16)
+        self.fc1 = nn.Linear(24, 48).to(half)
+        self.fc2 = nn.Linear(48, 40, bias=False).to(half)
         self.fc3 = nn.Linear(40, 16)  # float32 matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.fc1(x.to(torch.bfloat16)))
+        h = F.gelu(self.fc1(x.to(self.half)))
         h = self.fc2(h).float()  # (B, 40)
         return self.fc3(h) * self.scale
 
 
-def train_mixed_dtypes(rank: int, world: int, config_kwargs: dict, steps: int) -> dict:
+def train_mixed_dtypes(rank: int, world: int, config_kwargs: dict, steps: int, half: str = "bfloat16") -> dict:
     torch.manual_seed(0)
-    model = MixedDtypeNet()
+    model = MixedDtypeNet(getattr(torch, half))
     ddp = DDP(model, bucket_cap_mb=0.002)
     state = EDGCState(None, EDGCConfig(**config_kwargs))
     ddp.register_comm_hook(state, edgc_hook)
