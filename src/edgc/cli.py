@@ -99,15 +99,21 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help='"gpt2", "bpe" (train a byte-level BPE on the train split) or a saved BPE tokenizer.json')
     p.add_argument("--vocab-size", type=int, default=2048, help='size of the BPE trained with --tokenizer bpe')
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
+    p.add_argument("--keep-duplicates", action="store_true",
+                   help="keep near-duplicate files (by default the first of each family of files whose "
+                        "word 5-gram Jaccard similarity is >= 0.7 is kept and the rest left out)")
 
 
 def _prepare(args: argparse.Namespace) -> int:
     from edgc.data import prepare_files
 
-    prepared = prepare_files(args.paths, args.out, args.tokenizer, args.val_fraction, args.vocab_size)
+    prepared = prepare_files(args.paths, args.out, args.tokenizer, args.val_fraction, args.vocab_size,
+                             keep_duplicates=args.keep_duplicates)
     meta = json.loads((Path(args.out) / "meta.json").read_text())
     print(f"{args.out}: {prepared.train_tokens:,} train / {prepared.val_tokens:,} validation tokens "
           f"({meta['train_files']} / {meta['val_files']} files), tokenizer {args.tokenizer}")
+    if not args.keep_duplicates:
+        print(f"left out {len(prepared.duplicates)} near-duplicate file(s) (keep them with --keep-duplicates)")
     return 0
 
 
@@ -126,18 +132,19 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from edgc.bench import comm, train
+    from edgc.bench import comm, pareto, train
 
     p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster")
     kinds = p.add_subparsers(dest="bench", required=True)
     comm.add_parser(kinds)
     train.add_parser(kinds)
+    pareto.add_parser(kinds)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from edgc.bench import comm, train
+    from edgc.bench import comm, pareto, train
 
-    return {"comm": comm.run, "train": train.run}[args.bench](args)
+    return {"comm": comm.run, "train": train.run, "pareto": pareto.run}[args.bench](args)
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

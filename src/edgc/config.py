@@ -15,6 +15,7 @@ from edgc.entropy import ESTIMATORS
 from edgc.policy.cqm import METHODS as CQM_METHODS
 
 POLICIES = ("cqm", "linear", "static")
+WARMUP_ERROR_NORMS = ("relative", "l1")
 
 
 @dataclass(kw_only=True)
@@ -33,8 +34,8 @@ class EDGCConfig:
     """Lower rank bound r_min. None: max_rank // 4 (the paper recommends r_max/4 to r_max/6)."""
 
     rank_step: int = 4
-    """s: the most the rank may move in one window (release: 4). The first move after
-    compression starts may span the whole [r_min, r_max] range, as in the release."""
+    """s: the most the rank may move in one window, the first move included (release: 4;
+    its first move takes r_max - s when the mapped rank is further than s from r_max)."""
 
     rank_multiple: int = 2
     """Ranks are rounded to a multiple of this (release: even ranks)."""
@@ -52,6 +53,12 @@ class EDGCConfig:
     entropy_estimator: str = "histogram"
     """"histogram" (Shannon entropy over a histogram, as released) or "gaussian"
     (1/2 log(2 pi e sigma^2))."""
+
+    entropy_smoothing: float = 0.0
+    """In [0, 1): the CQM compares exponential moving averages of the window mean
+    entropies, each window weighing 1 - entropy_smoothing (0: the raw means, as the
+    paper). A window mean of a few samples is noisy next to the entropy change the whole
+    rank range spans, so smoothing keeps the rule from following noise."""
 
     differential: bool = True
     """For the histogram estimator: add log(bin width), giving the differential entropy,
@@ -76,6 +83,12 @@ class EDGCConfig:
     Off by default: measured on the tiny GPT-2 (`edgc -v train --steps 200`), eps_max was
     0.078 at the first check (step 13) while eps(r_min) rose from 0.17 to 0.58 by step 195,
     so compression never started. Early gradients are the most low-rank ones here."""
+
+    warmup_error_norm: str = "relative"
+    """The error the warm-up check compares: "relative" (Frobenius error of the best
+    rank-r approximation over the gradient's norm) or "l1" (its absolute mean |A - A_r|
+    per element, in gradient units, as the release measures it). The absolute error
+    falls as gradients shrink, so with "l1" the check can pass later in training."""
 
     calibration_repeats: int = 3
     """Timed compressed all-reduces per probed rank when calibrating r_max (release: ~3)."""
@@ -121,6 +134,11 @@ class EDGCConfig:
                 bad(name, "must be in (0, 1]")
         if self.entropy_estimator not in ESTIMATORS:
             bad("entropy_estimator", f"must be one of {ESTIMATORS}")
+        if isinstance(self.entropy_smoothing, bool) or not isinstance(self.entropy_smoothing, (int, float)) \
+                or not 0.0 <= self.entropy_smoothing < 1.0:
+            bad("entropy_smoothing", "must be in [0, 1)")
+        if self.warmup_error_norm not in WARMUP_ERROR_NORMS:
+            bad("warmup_error_norm", f"must be one of {WARMUP_ERROR_NORMS}")
         if self.cqm_method not in CQM_METHODS:
             bad("cqm_method", f"must be one of {CQM_METHODS}")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:

@@ -99,3 +99,22 @@ def test_bench_train_loopback(tmp_path):
     text = (out / "bench.md").read_text()
     assert "| none |" in text and "| edgc |" in text
     assert (out / "loss.png").is_file() and (out / "edgc" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_bench_pareto_on_loopback(tmp_path, data_dir):
+    # the command as the README writes it, shortened: every static rank, torch's hook and EDGC
+    out = tmp_path / "pareto"
+    cmd = [sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--steps", "4", "--rank", "4",
+           "--out", str(out), "--", "--batch-size", "4", "--block-size", "32", "--edgc-warmup-steps", "1",
+           "--edgc-window", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (out / "pareto.md").read_text()
+    for name in ("none", "powersgd-r1", "powersgd-r2", "powersgd-r4", "torch-powersgd-r4", "edgc-cqm"):
+        assert f"| {name} |" in text, name
+    assert (out / "pareto-bytes.png").is_file() and (out / "pareto-time.png").is_file()
+    assert "edgc-cqm: reaches" in text or "edgc-cqm: does not reach" in text
+    # a second call reuses the finished runs
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 6

@@ -139,3 +139,19 @@ def test_half_precision_orthogonalisation_keeps_the_basis():
     gram = p.double().transpose(1, 2) @ p.double()
     err = (gram - torch.eye(16, dtype=torch.float64)).abs().max()
     assert err < 0.02, f"orthogonality lost: max |P^T P - I| = {err:.3f}"
+
+
+def test_lowrank_l1_error_matches_a_direct_svd_and_is_absolute():
+    from edgc.compress import lowrank_l1_error
+
+    torch.manual_seed(0)
+    mats = [torch.randn(12, 9, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)]
+    errs = lowrank_l1_error(mats, [2, 5])
+    for r, e in zip([2, 5], errs):
+        total = 0.0
+        for a in mats:
+            u, s, vh = torch.linalg.svd(a, full_matrices=False)
+            total += float((a - u[:, :r] @ torch.diag(s[:r]) @ vh[:r]).abs().sum())
+        assert e == pytest.approx(total / (12 * 9 + 5 * 7), rel=1e-12)
+    assert errs[1] < errs[0]
+    assert lowrank_l1_error([3 * m for m in mats], [2])[0] == pytest.approx(3 * errs[0], rel=1e-12)

@@ -38,11 +38,15 @@ def test_cqm_rank_falls_when_entropy_falls_and_rises_when_it_rises():
     assert c.decide() > down
 
 
-def test_rate_limit_after_first_move_and_bounds():
+def test_rate_limit_holds_from_the_first_move_and_bounds():
     c = _controller("cqm", r_min=8, r_max=32, step=4)
-    _feed(c, -5.0, -8.0)  # a huge fall: the first move may span the range
-    assert c.decide() == 8
-    _feed(c, 0.0)  # a huge rise: now limited to +4 per window
+    _feed(c, -5.0, -8.0)  # a huge fall: the first move is limited too, as in the release
+    assert c.decide() == 28
+    for _ in range(10):
+        _feed(c, c.history[-1] - 3.0)
+        c.decide()
+    assert c.rank == 8  # never below r_min
+    _feed(c, 0.0)  # a huge rise: limited to +4 per window
     assert c.decide() == 12
     _feed(c, 5.0)
     assert c.decide() == 16
@@ -138,3 +142,44 @@ def test_cqm_ignores_windows_closed_during_warmup():
     assert c.decide() == 32  # one comparable window only: no move yet
     _feed(c, -6.0)
     assert c.decide() == 32  # equal entropy after warm-up: rank holds
+
+
+def test_cqm_keeps_a_continuous_rank_so_slow_drifts_add_up():
+    # each window's fall moves the mapped rank by less than half a rounding step
+    c = _controller("cqm", r_min=8, r_max=32, step=4)
+    _feed(c, -5.0)
+    model = ErrorModel(SHAPES)
+    h = -5.0
+    for _ in range(12):
+        h -= 0.002
+        _feed(c, h)
+        c.decide()
+    assert c.rank < 32, "a drift made of sub-rounding moves must add up"
+    assert c.rank_value < 31.0
+    # what a rank rounded every window would do: stay at 32
+    from edgc.policy.cqm import cqm_rank
+    assert round(cqm_rank(-5.0, -5.002, 32.0, model) / 2) * 2 == 32
+
+
+def test_first_compared_window_holds_no_warmup_step():
+    c = RankController("cqm", rank_step=32, rank_multiple=2)
+    c.observe(-4.0)
+    c.close_window()  # a warm-up window
+    c.observe(-4.0)  # warm-up samples in the window still open when compression starts
+    c.start(8, 32, ErrorModel(SHAPES), mid_window=True)
+    c.observe(-6.0)
+    c.close_window()  # mixed window: not compared
+    _feed(c, -6.0)
+    assert c.decide() == 32  # one clean window only
+    _feed(c, -6.0)
+    assert c.decide() == 32  # equal entropy across clean windows: rank holds
+
+
+def test_smoothing_damps_a_one_window_blip():
+    raw, smooth = _controller("cqm", step=32), RankController("cqm", rank_step=32, rank_multiple=2, smoothing=0.8)
+    smooth.start(8, 32, ErrorModel(SHAPES))
+    for c in (raw, smooth):
+        _feed(c, -5.0, -5.0, -5.3)  # a noisy window
+        c.decide()
+    assert raw.rank < smooth.rank <= 32
+    assert smooth.compared()[-1] == pytest.approx(0.8 * -5.0 + 0.2 * -5.3)

@@ -51,6 +51,7 @@ from edgc.compress import (
     compressible,
     draw_q,
     error_feedback_,
+    lowrank_l1_error,
     orthogonalize_,
     project_p,
     project_q,
@@ -166,7 +167,8 @@ class EDGCState:
         self.device: torch.device | None = None
         self.r_max = config.max_rank or 0
         self.r_min = config.resolved_min_rank(config.max_rank) if config.max_rank else 0
-        self.controller = RankController(config.policy, rank_step=config.rank_step, rank_multiple=config.rank_multiple)
+        self.controller = RankController(config.policy, rank_step=config.rank_step, rank_multiple=config.rank_multiple,
+                                         smoothing=config.entropy_smoothing)
         self.gate = WarmupGate(config.warmup_steps, config.window, config.warmup_error_check)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.calibration: dict[str, Any] = {"points": [], "t_uncompressed": [], "done": config.max_rank is not None}
@@ -543,8 +545,8 @@ class EDGCState:
             eps_max = float(control[_EPS_MAX]) if want_errors else math.nan
             if want_errors:
                 logger.info(
-                    "EDGC warm-up check at step %s: eps(r_min=%s) = %.4f, eps(r_max=%s) = %.4f, eps_max = %s",
-                    step, self.r_min, eps_min, self.r_max, eps_max, self.gate.eps_max,
+                    "EDGC warm-up check at step %s: eps(r_min=%s) = %.4g, eps(r_max=%s) = %.4g, eps_max = %.4g",
+                    step, self.r_min, eps_min, self.r_max, eps_max, math.nan if self.gate.eps_max is None else self.gate.eps_max,
                 )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)
@@ -565,7 +567,12 @@ class EDGCState:
             control[_ENTROPY] = estimate_entropy(sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
         if want_errors:
             mats = [g for s, g in enumerate(grads) if compressible(self.slot_shapes[s], self.r_max, cfg.min_compression_rate)]
-            eps = relative_lowrank_error(mats, [self.r_min, self.r_max]) if mats else [math.nan, math.nan]
+            if not mats:
+                eps = [math.nan, math.nan]
+            elif cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
+                eps = [e / self.grad_scale for e in lowrank_l1_error(mats, [self.r_min, self.r_max])]
+            else:
+                eps = relative_lowrank_error(mats, [self.r_min, self.r_max])
             control[_EPS_MIN], control[_EPS_MAX] = eps
         self._entropy.add(lap.stop())
         # collective: all-reduce SUM of 4 float64 values (32 bytes)
@@ -751,7 +758,8 @@ class EDGCState:
                 members.setdefault((*mat, grads[s].dtype), []).append(s)
             else:
                 self.uncompressed_slots.append(s)
-        rank = self.controller.start(self.r_min, self.r_max, None)
+        # (a window that already holds warm-up steps is not compared by the CQM)
+        rank = self.controller.start(self.r_min, self.r_max, None, mid_window=self.step % cfg.window != 0)
         self.applied_rank = rank
         device = grads[0].device
         self.groups = {}

@@ -132,3 +132,26 @@ def relative_lowrank_error(matrices: list[torch.Tensor], ranks: list[int]) -> li
     if total == 0.0:
         return [float("nan")] * len(ranks)
     return [(t / total) ** 0.5 for t in tail]
+
+
+def lowrank_l1_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[float]:
+    """Mean absolute error per element, sum_i |A_i - A_i,r| / sum_i numel(A_i), of the best
+    rank-r approximation of each matrix (truncated SVD), for each r in `ranks`.
+
+    In gradient units (not relative): it shrinks as the gradient does. Computed in float32
+    or better; nan when there are no elements.
+    """
+    total = [0.0] * len(ranks)
+    count = 0
+    for mat in matrices:
+        a = mat.reshape(mat.shape[0], -1)
+        if a.dtype not in (torch.float32, torch.float64):
+            a = a.float()
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (m, k), (k,), (k, n)
+        for i, r in enumerate(ranks):
+            approx = (u[:, :r] * s[:r]) @ vh[:r]  # (m, n)
+            total[i] += float((a - approx).abs().sum())
+        count += a.numel()
+    if count == 0:
+        return [float("nan")] * len(ranks)
+    return [t / count for t in total]

@@ -13,14 +13,17 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgc.data.corpus import (
+    BUILTIN_VAL_FRACTION,
     DEFAULT_VAL_FRACTION,
     Corpus,
     builtin_corpus,
+    drop_near_duplicates,
     iter_text_files,
+    near_twins,
     read_text,
     split_corpus,
 )
@@ -56,6 +59,11 @@ class PreparedData:
 
     train_tokens: int
     val_tokens: int
+
+    duplicates: dict[str, str] = field(default_factory=dict)
+    """Files left out as near-duplicates: {file: the kept file it duplicates}, paths
+    relative to the inputs' common folder (empty for the built-in corpus, whose
+    selection already leaves them out, and with keep_duplicates)."""
 
 
 def _text_batches(texts: Iterable[str], max_chars: int = _BATCH_CHARS) -> Iterator[list[str]]:
@@ -123,11 +131,12 @@ def prepare_builtin(
     tokenizer: str = "bpe",
     max_bytes: int | None = None,
     vocab_size: int = 2048,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
+    val_fraction: float = BUILTIN_VAL_FRACTION,
 ) -> PreparedData:
     """Builds `train.bin` and `val.bin` in `out_dir` from the built-in corpus (the
-    standard library's sources, at most `max_bytes` of them; see `builtin_corpus`),
-    split by file so the two share no document.
+    standard library's sources without generated files and near-duplicates, at most
+    `max_bytes` of them; see `builtin_corpus`), split by file so the two share no
+    document.
 
     With tokenizer="bpe", first trains a byte-level BPE of `vocab_size` tokens on the
     train split only and saves it as `out_dir/tokenizer.json`; otherwise `tokenizer` is
@@ -167,9 +176,16 @@ def prepare_files(
     tokenizer_spec: str | Path = "gpt2",
     val_fraction: float = DEFAULT_VAL_FRACTION,
     vocab_size: int = 2048,
+    keep_duplicates: bool = False,
 ) -> PreparedData:
     """Builds a training data folder from the user's text files and folders: `train.bin`
     and `val.bin`, split by file (see `split_corpus`), and `meta.json`.
+
+    Near-duplicate files (shingle Jaccard >= 0.7, see `edgc.data.dedup`) are left out,
+    the first of each family in path order kept, so that no validation file has a copy in
+    train; `keep_duplicates` keeps them all (and logs a warning for each validation file
+    with a near-twin in train). Generated-looking files are kept: unlike the built-in
+    corpus, what counts as text here is the user's call.
 
     `tokenizer_spec`: "gpt2", "bpe" (a byte-level BPE of `vocab_size` tokens trained here
     on the train split only), or a saved BPE JSON file. A BPE is kept in the folder as
@@ -183,7 +199,21 @@ def prepare_files(
     files = list(iter_text_files(paths))
     root = Path(os.path.commonpath([str(f.resolve().parent) for f in files]))
     corpus = Corpus(root=root, files=tuple(sorted(f.resolve().relative_to(root).as_posix() for f in files)))
+    duplicates: dict[str, str] = {}
+    if not keep_duplicates:
+        corpus, duplicates = drop_near_duplicates(corpus)
+        logger.info("left out %d near-duplicate file(s) of %d", len(duplicates), len(corpus.files) + len(duplicates))
+        if len(corpus.files) < 2 <= len(files):
+            raise ValueError(
+                f"the {len(files)} input files are near-duplicates of one another, which leaves "
+                f"{len(corpus.files)} to split into train and validation; give more files, or keep "
+                f"them with --keep-duplicates"
+            )
     split = split_corpus(corpus, val_fraction)
+    if keep_duplicates:
+        for twin in near_twins(split):
+            logger.warning("validation file %s is a near-duplicate of training file %s (Jaccard %.2f)",
+                           twin.val, twin.train, twin.jaccard)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:
         tokenizer = train_bpe_tokenizer(split.train.texts(), vocab_size=vocab_size)
@@ -202,7 +232,7 @@ def prepare_files(
     write_meta(out_dir, spec, tokenizer.vocab_size, train.count, val.count, source=source,
                files=(len(split.train.files), len(split.val.files)))
     return PreparedData(train=out_dir / "train.bin", val=out_dir / "val.bin", tokenizer=spec,
-                        train_tokens=train.count, val_tokens=val.count)
+                        train_tokens=train.count, val_tokens=val.count, duplicates=duplicates)
 
 
 def write_meta(folder: Path, tokenizer: str, vocab_size: int, train_tokens: int, val_tokens: int, source: str,

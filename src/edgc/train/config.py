@@ -78,8 +78,11 @@ class TrainConfig:
     eval_every: int | None = None
     """Validation every N steps (and at the end); None: steps // 6."""
 
-    eval_batches: int = 8
-    """Validation batches per evaluation, shared out over the workers."""
+    eval_tokens: int | None = 262_144
+    """Validation tokens per evaluation, at most: the validation split cut into
+    non-overlapping blocks of block_size, spread evenly over it when there are more than
+    this, shared out over the data-parallel replicas, the same blocks at every evaluation
+    and in every run on the same data (edgc.train.evaluation). None: every block."""
 
     checkpoint_every: int | None = None
     """Checkpoint every N steps (and at the end); None: steps // 3."""
@@ -154,10 +157,11 @@ class TrainConfig:
             bad("preset", f"must be one of {sorted(PRESETS)}")
         if self.method not in METHODS:
             bad("method", f"must be one of {METHODS}")
-        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches", "rank", "vocab_size"):
+        for name in ("nproc", "steps", "batch_size", "grad_accum", "rank", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        for name in ("block_size", "lr_warmup_steps", "eval_every", "checkpoint_every", "corpus_bytes", "stop_after"):
+        for name in ("block_size", "lr_warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "corpus_bytes",
+                     "stop_after"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "lr_warmup_steps" else 1)):
                 bad(name, "must be a positive integer or unset")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from edgc.train.checkpoint import (
 from edgc.train.common import lr_at, param_groups, restore_rank
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
+from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
 
@@ -167,9 +167,9 @@ def _loss_fn(microbatches: int):
     return loss_fn
 
 
-def _run(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, x: torch.Tensor, y: torch.Tensor, eval_only: bool = False) -> float | None:
-    """One schedule step (or eval); returns the batch's mean loss on the last stage."""
-    call = schedule.eval if eval_only else schedule.step
+def _run(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, x: torch.Tensor, y: torch.Tensor) -> float | None:
+    """One schedule step; returns the batch's mean loss on the last stage."""
+    call = schedule.step
     losses: list[torch.Tensor] = []
     with stage.no_sync():
         if layout.first:
@@ -200,19 +200,27 @@ def _clip(stage_mod: GPTStage, layout: _Layout, max_norm: float) -> torch.Tensor
 
 
 @torch.no_grad()
-def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: TokenFile, cfg: TrainConfig, device: torch.device) -> float:
-    """Mean validation loss over `cfg.eval_batches` fixed batches shared out over replicas."""
-    gen = torch.Generator().manual_seed(cfg.seed + 99991)  # the same batches as unsplit training
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(cfg.eval_batches):
-        x, y = get_batch(val, cfg.batch_size, cfg.block_size, gen, device)
-        if i % layout.dp == layout.replica:
-            loss = _run(schedule, stage, layout, x, y, eval_only=True)
-            if loss is not None:
-                total += torch.tensor([loss, 1.0], dtype=torch.float64, device=device)
-    # collective (metrics only): all-reduce SUM of 2 float64 over the world
-    dist.all_reduce(total)
-    return float(total[0] / total[1])
+def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: TokenFile, cfg: TrainConfig,
+              device: torch.device) -> EvalResult:
+    """Validation loss and its standard error over the fixed evaluation blocks (see
+    edgc.train.evaluation; the same blocks as unsplit training), block i on replica i mod
+    dp, run through the schedule forward only. The last stage computes each block's loss
+    from the schedule's merged output; the other stages add nothing to the sums. Every
+    rank must call it; it returns the same result on all."""
+    moments = LossMoments(device)
+    starts = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)[layout.replica :: layout.dp]
+    # (every stage of a replica walks the same blocks, so the schedule's sends and
+    # receives pair up; the padded last batch keeps the micro-batch shapes fixed)
+    for batch in eval_batches(val, starts, cfg.block_size, cfg.batch_size, device):
+        with stage.no_sync():
+            if layout.first:
+                schedule.eval(batch.x)
+            elif layout.last:
+                logits = schedule.eval(target=batch.y, losses=[])  # (B, T, V), the micro-batches merged
+                moments.add(block_losses(logits, batch.y)[: batch.valid])
+            else:
+                schedule.eval()
+    return moments.result(cfg.block_size)
 
 
 # Per-rank values gathered to rank 0 each step for the per-stage metrics.
@@ -315,14 +323,14 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             dist.all_gather(gathered, mine)
             rows = [dict(zip(_FIELDS, g.tolist())) for g in gathered]
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
-            val_loss = None
+            val = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                val_loss = _evaluate(schedule, stage, layout, val_tokens, cfg, device)
+                val = _evaluate(schedule, stage, layout, val_tokens, cfg, device)
             if writer is not None:
                 writer.write(record)
-                if val_loss is not None:
-                    writer.write({"step": step, "kind": "val", "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
-            display.update(step, record, stats, val_loss)
+                if val is not None:
+                    writer.write(val_record(step, val))
+            display.update(step, record, stats, val.loss if val is not None else None)
             if step % cfg.checkpoint_every == 0 or step == last:
                 _checkpoint(cfg, step, world, rank, layout, stage_mod, opt, hook_state, gen, model_config)
     finally:

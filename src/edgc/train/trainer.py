@@ -37,6 +37,7 @@ from edgc.comm.baselines import (
 )
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
+from edgc.data.corpus import BUILTIN_CORPUS_VERSION
 from edgc.models import build_model
 from edgc.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -46,6 +47,7 @@ from edgc.train.checkpoint import (
 )
 from edgc.train.common import lr_at, model_config, param_groups, restore_rank
 from edgc.train.config import TrainConfig
+from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.launch import run_local
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
@@ -60,7 +62,10 @@ def ensure_data(cfg: TrainConfig) -> Path:
     """The prepared data folder; tokenises the built-in corpus into the cache if needed."""
     if cfg.data is not None:
         return Path(cfg.data)
-    name = f"builtin-{cfg.tokenizer}{cfg.vocab_size if cfg.tokenizer == 'bpe' else ''}-{cfg.corpus_bytes or 'all'}"
+    # the version tag changes whenever the built-in selection or split does, so that an old
+    # cache (e.g. one with the code-page tables, before version 2) is never reused
+    name = (f"builtin-v{BUILTIN_CORPUS_VERSION}-{cfg.tokenizer}{cfg.vocab_size if cfg.tokenizer == 'bpe' else ''}"
+            f"-{cfg.corpus_bytes or 'all'}")
     folder = Path(cfg.data_cache) / name
     if not (folder / "meta.json").is_file():
         logger.info("tokenising the built-in corpus into %s (once)", folder)
@@ -157,20 +162,19 @@ def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> float:
-    """Mean validation loss over `cfg.eval_batches` fixed batches, shared out over ranks."""
+def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int, world: int,
+             device: torch.device) -> EvalResult:
+    """Validation loss and its standard error over the fixed evaluation blocks (see
+    edgc.train.evaluation), block i on rank i mod world. Every rank must call it; it
+    returns the same result on all. The model is left in training mode."""
     model.eval()
-    gen = torch.Generator().manual_seed(cfg.seed + 99991)  # same batches at every evaluation
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(cfg.eval_batches):
-        x, y = get_batch(val, cfg.batch_size, cfg.block_size, gen, device)
-        if i % world == rank:
-            _, loss = model(x, y)
-            total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
-    # collective (metrics only): all-reduce SUM of 2 float64 values
-    dist.all_reduce(total)
+    moments = LossMoments(device)
+    starts = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)[rank::world]
+    for batch in eval_batches(val, starts, cfg.block_size, cfg.batch_size, device):
+        logits, _ = model(batch.x)  # (B, T, V)
+        moments.add(block_losses(logits, batch.y)[: batch.valid])
     model.train()
-    return float(total[0] / total[1])
+    return moments.result(cfg.block_size)
 
 
 def worker_device(cfg: TrainConfig) -> torch.device:
@@ -293,15 +297,15 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 "grad_norm": float(norm), "skipped": skipped,
             }
             prev = stats
-            val_loss = None
+            val = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 with precision.autocast():
-                    val_loss = evaluate(model, val_tokens, cfg, rank, world, device)
+                    val = evaluate(model, val_tokens, cfg, rank, world, device)
             if writer is not None:
                 writer.write(record)
-                if val_loss is not None:
-                    writer.write({"step": step, "kind": "val", "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
-            display.update(step, record, stats, val_loss)
+                if val is not None:
+                    writer.write(val_record(step, val))
+            display.update(step, record, stats, val.loss if val is not None else None)
             if step % cfg.checkpoint_every == 0 or step == last:
                 _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision)
     finally:

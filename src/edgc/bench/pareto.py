@@ -1,0 +1,283 @@
+"""`edgc bench pareto`: every static rank against each dynamic policy, on the same data and seed.
+
+A dynamic rank policy earns its place only if it lies beyond what static PowerSGD can do:
+for the bytes it sent (or the time it took), no static rank reaches a lower validation
+loss. The sweep trains, one after the other on the same workers:
+
+- `none` (plain all-reduce),
+- our PowerSGD at every rank r_max, r_max/2, r_max/4, r_max/8 (powers of two, at least 1),
+- torch's `powerSGD_hook` at r_max,
+- each dynamic policy asked for (`--policies`),
+
+and draws loss against bytes and loss against wall time with the static ranks joined as
+the frontier. A point's verdict compares its final validation loss with the frontier's,
+interpolated at the same bytes (or time) in log space, with the combined standard error of
+the two losses as the margin: "beyond" (lower by more than the margin), "on" (within it)
+or "behind". Outside the frontier's range a point is judged against the nearest static
+point only if it dominates or is dominated by it; otherwise "outside the frontier".
+
+Runs whose folder already holds a finished run of the same settings are reused, so a long
+sweep can be stopped and continued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import matplotlib.ticker
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from edgc.bench.cluster import run_on_cluster  # noqa: E402
+from edgc.bench.netns import Cluster, NetnsUnavailable  # noqa: E402
+from edgc.bench.train import time_to_target  # noqa: E402
+from edgc.config import POLICIES  # noqa: E402
+from edgc.models import PRESETS  # noqa: E402
+from edgc.train.config import TrainConfig  # noqa: E402
+from edgc.train.summary import load_run  # noqa: E402
+from edgc.train.trainer import ensure_data  # noqa: E402
+
+__all__ = ["ParetoPoint", "add_parser", "frontier_verdict", "run", "static_ranks", "sweep"]
+
+
+@dataclass
+class ParetoPoint:
+    """One run's place on the plots."""
+
+    name: str
+    kind: str  # "none", "static", "torch", "dynamic"
+    rank: int | None  # static rank, or r_max of a dynamic policy
+    val_loss: float
+    val_se: float  # standard error of val_loss (0 when the run did not record one)
+    bytes: float  # bytes this replica handed to collectives, whole run
+    seconds: float  # training wall time: summed step times, evaluation excluded
+    time_to_target: float  # seconds until the first validation loss <= the target (inf: never)
+
+
+def static_ranks(r_max: int) -> list[int]:
+    """r_max, r_max/2, r_max/4, r_max/8 (integer, at least 1, distinct), ascending."""
+    return sorted({max(1, r_max >> k) for k in range(4)})
+
+
+def sweep(r_max: int, policies: list[str]) -> list[tuple[str, str, int | None, list[str]]]:
+    """(run name, kind, rank, `edgc train` arguments) for every run of the sweep."""
+    runs: list[tuple[str, str, int | None, list[str]]] = [("none", "none", None, ["--method", "none"])]
+    for r in static_ranks(r_max):
+        runs.append((f"powersgd-r{r}", "static", r, ["--method", "powersgd", "--rank", str(r)]))
+    runs.append((f"torch-powersgd-r{r_max}", "torch", r_max, ["--method", "torch-powersgd", "--rank", str(r_max)]))
+    for policy in policies:
+        if policy not in POLICIES or policy == "static":
+            raise ValueError(f"unknown dynamic policy {policy!r}; choose from {[p for p in POLICIES if p != 'static']}")
+        runs.append((f"edgc-{policy}", "dynamic", r_max,
+                     ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy]))
+    return runs
+
+
+def _bracket(xs: list[float], x: float) -> int | None:
+    """i with xs[i] <= x <= xs[i + 1] (xs ascending, at least two), or None outside."""
+    for i in range(len(xs) - 1):
+        if xs[i] <= x <= xs[i + 1]:
+            return i
+    return None
+
+
+def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) -> str:
+    """Where `point` lies against the static frontier on the loss-vs-`axis` plot ("bytes"
+    or "seconds"): "beyond", "on", "behind" or "outside the frontier" (see module doc)."""
+    pts = sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: getattr(s, axis))
+    if not pts:
+        return "no frontier"
+    if not math.isfinite(point.val_loss):
+        return "no finite loss"
+    xs = [getattr(s, axis) for s in pts]
+    x = getattr(point, axis)
+    i = _bracket(xs, x)
+    if i is not None:
+        lo, hi = pts[i], pts[i + 1]
+        span = math.log(xs[i + 1]) - math.log(xs[i])
+        w = 0.0 if span == 0 else (math.log(x) - math.log(xs[i])) / span  # (log-space interpolation)
+        loss = lo.val_loss + w * (hi.val_loss - lo.val_loss)
+        margin = math.hypot(point.val_se, max(lo.val_se, hi.val_se))
+        if point.val_loss < loss - margin:
+            return "beyond"
+        return "on" if point.val_loss <= loss + margin else "behind"
+    nearest = pts[0] if x < xs[0] else pts[-1]
+    margin = math.hypot(point.val_se, nearest.val_se)
+    if x <= getattr(nearest, axis) and point.val_loss < nearest.val_loss - margin:
+        return "beyond"  # fewer bytes (or less time) and a lower loss than a static run
+    if x >= getattr(nearest, axis) and point.val_loss > nearest.val_loss + margin:
+        return "behind"
+    return "outside the frontier"
+
+
+def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float | None) -> ParetoPoint:
+    _, records = load_run(run_dir)
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    last = val[-1] if val else {}
+    loss = last.get("val_loss")
+    return ParetoPoint(
+        name=name, kind=kind, rank=rank,
+        val_loss=float(loss) if loss is not None else math.nan,
+        val_se=float(last.get("val_loss_se") or 0.0),
+        bytes=float(sum(r["bytes_sent"] for r in train)),
+        seconds=float(sum(r["step_time"] for r in train)),
+        time_to_target=time_to_target(records, target) if target is not None else math.inf,
+    )
+
+
+def _finished(run_dir: Path, args_list: list[str], steps: int) -> bool:
+    """A finished run of these settings is already in `run_dir` (reused, not retrained)."""
+    marker = run_dir / "pareto-args.json"
+    if not (marker.is_file() and (run_dir / "summary.md").is_file()):
+        return False
+    if json.loads(marker.read_text()) != args_list:
+        raise ValueError(f"{run_dir} holds a run with other settings; choose another --out or remove it")
+    _, records = load_run(run_dir)
+    return any(r.get("kind") == "train" and r["step"] == steps for r in records)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pareto", help="every static rank against the dynamic policies: loss vs bytes and time")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--data", default=None, help="a folder from `edgc prepare` (default: the built-in corpus)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rank", type=int, default=32, help="r_max; static ranks r_max/8 .. r_max")
+    p.add_argument("--policies", default="cqm", help="dynamic policies, comma-separated (EDGCConfig.policy)")
+    p.add_argument("--bandwidth", default=None,
+                   help="per-link rate on an emulated cluster (needs root; tc syntax, e.g. 200mbit); "
+                        "default: loopback, no limit (bytes and loss; wall time is not a network's)")
+    p.add_argument("--out", default=None, help="output folder (default runs/pareto-<time>)")
+    p.add_argument("--timeout", type=float, default=6 * 3600, help="per run, seconds")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options for every run")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.nproc < 1 or args.rank < 1:
+        raise ValueError("--steps, --nproc and --rank must be positive")
+    out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
+    extra = [a for a in args.train_args if a != "--"]
+    runs = sweep(args.rank, [p.strip() for p in args.policies.split(",") if p.strip()])
+    if args.bandwidth is not None:
+        try:
+            Cluster.check()
+        except NetnsUnavailable as exc:
+            raise ValueError(str(exc)) from None
+    base = TrainConfig(preset=args.preset, steps=args.steps, nproc=args.nproc, data=args.data)
+    base.validate()
+    data = ensure_data(base)  # tokenise once, before any worker starts
+    out.mkdir(parents=True, exist_ok=True)
+    with Cluster(args.nproc, args.bandwidth) as cluster:
+        for i, (name, _, _, method_args) in enumerate(runs, 1):
+            run_dir = out / name
+            train_args = ["train", "--preset", args.preset, "--steps", str(args.steps), "--data", str(data),
+                          "--out", str(run_dir), "--no-progress", *method_args, *extra]
+            if _finished(run_dir, train_args, args.steps):
+                print(f"[pareto] {i}/{len(runs)} {name}: already done, reused", flush=True)
+                continue
+            print(f"[pareto] {i}/{len(runs)} {name}: {args.steps} steps on {args.nproc} workers ...", flush=True)
+            t0 = time.perf_counter()
+            run_on_cluster(cluster, train_args, timeout=args.timeout)
+            (run_dir / "pareto-args.json").write_text(json.dumps(train_args))
+            print(f"[pareto] {i}/{len(runs)} {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+    static_max = f"powersgd-r{args.rank}"
+    target = _point(static_max, "static", args.rank, out / static_max, None).val_loss
+    points = [_point(name, kind, rank, out / name, target) for name, kind, rank, _ in runs]
+    link = f"{args.bandwidth} per link each way (tc tbf, namespaces)" if args.bandwidth else "loopback, no limit"
+    text = pareto_markdown(points, target, static_max,
+                           f"{args.preset}, {args.nproc} workers, {link}, {args.steps} steps, r_max {args.rank}, "
+                           f"data {args.data or 'built-in corpus'}; {platform.machine()}, {os.cpu_count()} cores, "
+                           f"torch {torch.__version__}.")
+    plot_pareto(points, out)
+    (out / "pareto.md").write_text(text)
+    (out / "pareto.json").write_text(json.dumps([p.__dict__ for p in points], indent=1, default=str) + "\n")
+    print(text, end="")
+    print(f"report: {out / 'pareto.md'}")
+    return 0
+
+
+def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, setup: str) -> str:
+    """The sweep's table, the verdict of each non-static run, and the plots."""
+    statics = [p for p in points if p.kind == "static"]
+    ref = next((p for p in statics if p.name == target_name), None)
+    lines = [
+        f"| run | final val loss ± SE | MB sent | bytes vs {target_name} | wall time (s) | "
+        f"time to {target:.4f} (s) | vs frontier (bytes) | vs frontier (time) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        judged = p.kind != "static"
+        ttt = "not reached" if math.isinf(p.time_to_target) else f"{p.time_to_target:.1f}"
+        lines.append(
+            f"| {p.name} | {p.val_loss:.4f} ± {p.val_se:.4f} | {p.bytes / 1e6:.1f} | "
+            f"{p.bytes / ref.bytes:.2f}x | {p.seconds:.1f} | {ttt} | "
+            f"{frontier_verdict(p, statics, 'bytes') if judged else 'frontier'} | "
+            f"{frontier_verdict(p, statics, 'seconds') if judged else 'frontier'} |"
+            if ref else f"| {p.name} | {p.val_loss:.4f} | {p.bytes / 1e6:.1f} | - | {p.seconds:.1f} | {ttt} | - | - |"
+        )
+    notes = []
+    if ref is not None:
+        for p in points:
+            if p.kind != "dynamic":
+                continue
+            margin = math.hypot(p.val_se, ref.val_se)
+            same = p.val_loss <= ref.val_loss + margin
+            notes.append(
+                f"- {p.name}: {'reaches' if same else 'does not reach'} {target_name}'s final loss within one "
+                f"standard error ({p.val_loss:.4f} vs {ref.val_loss:.4f} ± {margin:.4f}) with "
+                f"{p.bytes / ref.bytes:.2f}x its bytes; against the static frontier it is "
+                f"{frontier_verdict(p, statics, 'bytes')} on bytes and {frontier_verdict(p, statics, 'seconds')} "
+                "on time."
+            )
+    return (
+        "# edgc bench pareto\n\n" + setup + "\n\n" + "\n".join(lines) + "\n\n"
+        + ("\n".join(notes) + "\n\n" if notes else "")
+        + "The frontier joins the static PowerSGD ranks; a verdict compares a run's final validation loss with "
+        "the frontier's at the same bytes (or wall time), interpolated in log space, with the combined standard "
+        "error as the margin. Wall time is the sum of step times (evaluation excluded).\n\n"
+        "![loss vs bytes](pareto-bytes.png)\n![loss vs time](pareto-time.png)\n"
+    )
+
+
+def plot_pareto(points: list[ParetoPoint], out_dir: Path) -> list[Path]:
+    """pareto-bytes.png and pareto-time.png: final loss (± SE) against bytes and time."""
+    paths = []
+    for axis, label, scale, fname in (("bytes", "MB sent per replica", 1e-6, "pareto-bytes.png"),
+                                      ("seconds", "training wall time (s)", 1.0, "pareto-time.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        statics = sorted((p for p in points if p.kind == "static"), key=lambda p: getattr(p, axis))
+        if statics:
+            ax.errorbar([getattr(p, axis) * scale for p in statics], [p.val_loss for p in statics],
+                        yerr=[p.val_se for p in statics], fmt="o-", color="0.3", capsize=3, label="static PowerSGD")
+            for p in statics:
+                ax.annotate(f"r{p.rank}", (getattr(p, axis) * scale, p.val_loss), textcoords="offset points",
+                            xytext=(4, 4), fontsize=8)
+        markers = {"none": "s", "torch": "^", "dynamic": "*"}
+        for p in points:
+            if p.kind == "static":
+                continue
+            ax.errorbar([getattr(p, axis) * scale], [p.val_loss], yerr=[p.val_se], fmt=markers[p.kind],
+                        markersize=12 if p.kind == "dynamic" else 8, capsize=3, label=p.name)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set(xlabel=label, ylabel="final validation loss", title=f"Loss against {label.split(' (')[0]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,48 @@
+"""The Pareto sweep's plan and its verdicts against the static frontier."""
+
+import math
+
+from edgc.bench.pareto import ParetoPoint, frontier_verdict, static_ranks, sweep
+
+
+def _p(name, loss, mb, se=0.01, seconds=None, kind="static", rank=None):
+    return ParetoPoint(name, kind, rank, loss, se, mb * 1e6, seconds if seconds is not None else mb, math.inf)
+
+
+STATIC = [_p("r4", 3.80, 100, rank=4), _p("r8", 3.70, 200, rank=8), _p("r16", 3.62, 400, rank=16),
+          _p("r32", 3.60, 800, rank=32)]
+
+
+def test_static_ranks_are_powers_of_two_down_to_an_eighth():
+    assert static_ranks(32) == [4, 8, 16, 32]
+    assert static_ranks(4) == [1, 2, 4]
+    assert static_ranks(1) == [1]
+
+
+def test_sweep_runs_none_every_static_rank_torch_and_each_policy():
+    names = [name for name, *_ in sweep(32, ["cqm", "linear"])]
+    assert names == ["none", "powersgd-r4", "powersgd-r8", "powersgd-r16", "powersgd-r32", "torch-powersgd-r32",
+                     "edgc-cqm", "edgc-linear"]
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown dynamic policy"):
+        sweep(32, ["static"])
+
+
+def test_verdicts_interpolate_in_log_bytes_with_the_standard_error_as_margin():
+    # between r8 (200 MB, 3.70) and r16 (400 MB, 3.62): at 283 MB (the log midpoint) the frontier is 3.66
+    mid = 200 * math.sqrt(2)
+    assert frontier_verdict(_p("a", 3.60, mid, kind="dynamic"), STATIC, "bytes") == "beyond"
+    assert frontier_verdict(_p("b", 3.665, mid, kind="dynamic"), STATIC, "bytes") == "on"
+    assert frontier_verdict(_p("c", 3.70, mid, kind="dynamic"), STATIC, "bytes") == "behind"
+    # a wider standard error turns "beyond" into "on"
+    assert frontier_verdict(_p("d", 3.64, mid, se=0.03, kind="dynamic"), STATIC, "bytes") == "on"
+
+
+def test_verdicts_outside_the_frontier_need_dominance():
+    assert frontier_verdict(_p("cheap-good", 3.75, 50, kind="dynamic"), STATIC, "bytes") == "beyond"
+    assert frontier_verdict(_p("cheap-bad", 3.90, 50, kind="dynamic"), STATIC, "bytes") == "outside the frontier"
+    assert frontier_verdict(_p("dear-bad", 3.70, 1600, kind="dynamic"), STATIC, "bytes") == "behind"
+    assert frontier_verdict(_p("dear-good", 3.50, 1600, kind="dynamic"), STATIC, "bytes") == "outside the frontier"
+    assert frontier_verdict(_p("x", math.nan, 300, kind="dynamic"), STATIC, "bytes") == "no finite loss"
+    assert frontier_verdict(_p("x", 3.6, 300, kind="dynamic"), [], "bytes") == "no frontier"
