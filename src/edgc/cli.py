@@ -74,6 +74,7 @@ def _train(args: argparse.Namespace) -> int:
         if saved.is_file():  # the run's own settings, unless overridden on this command line
             base = json.loads(saved.read_text())
             base.pop("world_size", None)
+            base.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
             base_edgc = base.pop("edgc", {})
             base_dac = base.pop("dac", {})
             base.update(values)

@@ -14,7 +14,7 @@ from typing import Any
 from edgc.entropy import ESTIMATORS
 from edgc.policy.cqm import METHODS as CQM_METHODS
 
-POLICIES = ("cqm", "linear", "static")
+POLICIES = ("cqm", "linear", "static", "budget")
 WARMUP_ERROR_NORMS = ("relative", "l1")
 
 
@@ -24,7 +24,9 @@ class EDGCConfig:
 
     policy: str = "cqm"
     """How the rank is chosen: "cqm" (the paper's rule, r1 = g^-1(e^(H0-H1) g(r0))),
-    "linear" (the released code's rule), or "static" (fixed rank `max_rank`: PowerSGD)."""
+    "linear" (the released code's rule), "static" (fixed rank `max_rank`: PowerSGD), or
+    "budget" (beyond the paper: one rank per group of same-shape matrices, steered each
+    window towards leaving out `error_budget` of the group's energy; edgc.policy.budget)."""
 
     max_rank: int | None = None
     """Upper rank bound r_max. None: calibrate it by timing compressed against
@@ -39,6 +41,10 @@ class EDGCConfig:
 
     rank_multiple: int = 2
     """Ranks are rounded to a multiple of this (release: even ranks)."""
+
+    error_budget: float = 0.05
+    """For policy "budget": the share of each matrix group's energy (gradient plus error
+    feedback) that the low-rank approximation may leave out, averaged over a window."""
 
     window: int = 1000
     """w: iterations per entropy window; the rank is revisited once per window (paper: 1000)."""
@@ -137,6 +143,9 @@ class EDGCConfig:
         if isinstance(self.entropy_smoothing, bool) or not isinstance(self.entropy_smoothing, (int, float)) \
                 or not 0.0 <= self.entropy_smoothing < 1.0:
             bad("entropy_smoothing", "must be in [0, 1)")
+        if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) \
+                or not 0.0 < self.error_budget < 1.0:
+            bad("error_budget", "must be in (0, 1)")
         if self.warmup_error_norm not in WARMUP_ERROR_NORMS:
             bad("warmup_error_norm", f"must be one of {WARMUP_ERROR_NORMS}")
         if self.cqm_method not in CQM_METHODS:

@@ -95,7 +95,7 @@ def test_bench_train_loopback(tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "train", "--loopback", "--nproc", "2", "--steps", "6", "--methods", "none,edgc",
                  "--rank", "4", "--out", str(out), "--", "--batch-size", "2", "--block-size", "32",
-                 "--eval-batches", "2", "--edgc-warmup-steps", "2"]) == 0
+                 "--eval-tokens", "256", "--edgc-warmup-steps", "2"]) == 0
     text = (out / "bench.md").read_text()
     assert "| none |" in text and "| edgc |" in text
     assert (out / "loss.png").is_file() and (out / "edgc" / "metrics.jsonl").is_file()

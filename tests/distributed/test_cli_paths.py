@@ -57,7 +57,7 @@ def test_prepare_a_folder_then_train_from_another_directory(tmp_path, texts, tok
         assert proc.returncode == 0, proc.stderr
         assert json.loads((tmp_path / "again/meta.json").read_text())["vocab_size"] == meta["vocab_size"]
     proc = _edgc("train", "--data", str(work / "data/mine"), "--out", "run", "--steps", "3", "--batch-size", "2",
-                 "--block-size", "16", "--eval-batches", "2", "--no-progress", "--method", "none", cwd=elsewhere)
+                 "--block-size", "16", "--eval-tokens", "256", "--no-progress", "--method", "none", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr
     assert (elsewhere / "run" / "summary.md").is_file()
 
@@ -73,7 +73,7 @@ def test_prepare_errors_are_clear(tmp_path, texts):
 
 def _train(data, out, *extra):
     return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
-            "--eval-batches", "2", "--no-progress", "--rank", "4", *extra]
+            "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
 def test_metrics_show_what_each_step_did(tmp_path, data_dir):

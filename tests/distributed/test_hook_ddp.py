@@ -75,3 +75,23 @@ def test_warmup_matches_plain_ddp_average():
     stats = hooked[0]["stats"]
     # alpha = 1: one 4 x float64 control all-reduce per step on top of the gradient
     assert stats.bytes_sent == stats.bytes_uncompressed + 8 * 32
+
+
+BUDGET = dict(DYNAMIC, policy="budget", max_rank=16, min_rank=1, error_budget=0.5, window=3)
+
+
+def test_budget_policy_moves_group_ranks_apart_and_replicas_stay_identical():
+    results = run_workers(workers.train_and_report, 2, BUDGET, 40, timeout=240)
+    first = results[0]
+    assert torch.equal(first["params"], results[1]["params"])
+    assert first["group_ranks"] == results[1]["group_ranks"]
+    assert len(set(first["group_ranks"].values())) >= 2, f"one rank for every group: {first['group_ranks']}"
+    compressed = [r for r in first["ranks"] if r > 0]
+    assert len(set(compressed)) >= 2  # the equivalent rank moved
+
+
+def test_budget_policy_resumes_exactly_mid_window():
+    out = run_workers(workers.resume_check, 2, BUDGET, 23, timeout=240)
+    for r in out:
+        assert r["resumed"] == r["straight"]
+        assert torch.equal(r["resumed_params"], r["straight_params"])

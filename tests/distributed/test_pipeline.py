@@ -15,7 +15,7 @@ from edgc.train.trainer import prepare_run, train_worker
 
 def _run(data_dir, out, nproc, resume=False, **kw):
     """Train on `nproc` local workers; returns (per-rank results, metrics records)."""
-    values = dict(data=str(data_dir), out=str(out), nproc=nproc, batch_size=4, block_size=32, eval_batches=2,
+    values = dict(data=str(data_dir), out=str(out), nproc=nproc, batch_size=4, block_size=32, eval_tokens=256,
                   progress=False, rank=8, steps=8, eval_every=4, seed=5)
     values.update(kw)
     cfg = prepare_run(TrainConfig.from_dict(values), resume, nproc)
@@ -151,7 +151,7 @@ def test_pipeline_under_torchrun_and_layout_error(tmp_path, data_dir):
     def torchrun(out, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
                "-m", "edgc", "train", "--data", str(data_dir), "--out", str(out), "--batch-size", "4",
-               "--block-size", "32", "--eval-batches", "2", "--no-progress", "--rank", "4", "--method", "edgc",
+               "--block-size", "32", "--eval-tokens", "256", "--no-progress", "--rank", "4", "--method", "edgc",
                "--steps", "4", "--edgc-warmup-steps", "1", "--edgc-window", "2", "--microbatches", "2", *extra]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 

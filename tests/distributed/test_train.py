@@ -16,7 +16,7 @@ TRAIN_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time", "comm_time", "b
 
 def _args(data_dir, out, *extra):
     return ["train", "--data", str(data_dir), "--out", str(out), "--batch-size", "4", "--block-size", "32",
-            "--eval-batches", "2", "--no-progress", "--rank", "4", *extra]
+            "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
 @pytest.mark.parametrize("method", ["none", "powersgd", "torch-powersgd", "edgc"])
@@ -33,6 +33,11 @@ def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
     assert [r["step"] for r in train] == list(range(1, 9))
     assert TRAIN_KEYS <= set(train[0])
     assert [r["step"] for r in val] == [4, 8] and math.isfinite(val[-1]["val_loss"])
+    # the same 8 blocks of 32 tokens (--eval-tokens 256) at each evaluation, with a standard error
+    assert all(r["val_tokens"] == 256 and 0 < r["val_loss_se"] < r["val_loss"] for r in val)
+    summary = (out / "summary.md").read_text()
+    assert f"{val[-1]['val_loss']:.4f} ± {val[-1]['val_loss_se']:.4f}" in summary
+    assert "standard error" in summary and "8 blocks of 32 tokens" in summary
     assert all(math.isfinite(r["loss"]) for r in train)
     sent = sum(r["bytes_sent"] for r in train)
     full = sum(r["bytes_uncompressed"] for r in train)

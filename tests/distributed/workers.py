@@ -73,7 +73,9 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int) -> 
     losses, ranks = _train(ddp, opt, state, rank, 0, steps)
     n_buckets = len(ddp.reducer._get_zeros_like_grad_buckets()) if hasattr(ddp.reducer, "_get_zeros_like_grad_buckets") else -1
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets, "history": list(state.controller.history)}
+    return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
+            "history": list(state.controller.history),
+            "group_ranks": {str(g.shape): g.q.shape[-1] for g in state.groups.values()}}
 
 
 def resume_check(rank: int, world: int, config_kwargs: dict, n: int) -> dict:
@@ -326,3 +328,17 @@ def train_mixed_dtypes_cuda(rank: int, world: int, config_kwargs: dict, steps: i
     torch.cuda.synchronize()
     return {"params": torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()]),
             "stats": state.stats()}
+
+
+def evaluate_shared(rank: int, world: int, val_path: str, eval_tokens: int | None) -> dict:
+    """The trainer's evaluation of one seeded tiny GPT, its blocks shared out over `world` ranks."""
+    from edgc.data import TokenFile
+    from edgc.models import build_model
+    from edgc.train.config import TrainConfig
+    from edgc.train.trainer import evaluate
+
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=64, block_size=32)
+    cfg = TrainConfig(block_size=32, batch_size=4, eval_tokens=eval_tokens)
+    result = evaluate(model, TokenFile(val_path), cfg, rank, world, torch.device("cpu"))
+    return {"loss": result.loss, "se": result.se, "blocks": result.blocks}

@@ -63,6 +63,7 @@ from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.config import EDGCConfig
 from edgc.entropy import estimate_entropy, is_sampled_step, sample_gradient
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
+from edgc.policy.budget import budget_rank, equivalent_rank
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,9 @@ class EDGCState:
         if not isinstance(config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
         config.validate()
+        if config.policy == "budget" and alignment is not None:
+            raise ValueError('policy "budget" sets one rank per matrix group and does not take the DAC\'s stage '
+                             'alignment yet; use "cqm", "linear" or "static" in a pipeline')
         # hyperparameters
         self.config = config
         self._process_group = process_group
@@ -173,6 +177,9 @@ class EDGCState:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.calibration: dict[str, Any] = {"points": [], "t_uncompressed": [], "done": config.max_rank is not None}
         self.groups: dict[tuple[int, int, str], _Group] = {}  # by (m, n, dtype)
+        # policy "budget": per group, the window's summed local (‖M‖², ‖Q‖²), float64 on
+        # the gradients' device (no host sync per step); agreed at the window end
+        self._kept: torch.Tensor | None = None
         self.uncompressed_slots: list[int] = []
         self._slot_of: dict[int, int] = {}  # id(param) -> slot
         self.slot_shapes: list[tuple[int, ...]] = []
@@ -316,6 +323,11 @@ class EDGCState:
         """The rank used for compressed steps now (0 while uncompressed)."""
         if self.phase != "compress" or self.stage_uncompressed:
             return 0
+        if self.config.policy == "budget" and self.groups:
+            # per-group ranks: the uniform rank that would send the same bytes
+            groups = list(self.groups.values())
+            return int(round(equivalent_rank([g.q.shape[-1] for g in groups],
+                                             [len(g.slots) * sum(g.shape) for g in groups])))
         return self.applied_rank
 
     def stats(self) -> EDGCStats:
@@ -374,6 +386,7 @@ class EDGCState:
                 for g in self.groups.values()
             ],
             "generator": self.generator.get_state(),
+            "budget_window": None if self._kept is None else self._kept.cpu().tolist(),
             "controller": self.controller.state_dict(),
             "gate": self.gate.state_dict(),
             "calibration": {k: (list(v) if isinstance(v, list) else v) for k, v in self.calibration.items()},
@@ -432,6 +445,8 @@ class EDGCState:
         self.uncompressed_slots = list(d["uncompressed_slots"])
         self._pending_groups = d["groups"]
         self.generator.set_state(d["generator"])
+        kept = d.get("budget_window")
+        self._kept = None if kept is None else torch.tensor(kept, dtype=torch.float64)
         self.controller.load_state_dict(d["controller"])
         self.gate.load_state_dict(d["gate"])
         self.calibration = dict(d["calibration"])
@@ -501,7 +516,7 @@ class EDGCState:
 
         # 1. Control values that replicas must agree on, only on steps that need them.
         # (the static policy decides nothing from entropy, so it pays nothing for it)
-        want_entropy = cfg.policy != "static" and is_sampled_step(step, cfg.iteration_sample_rate)
+        want_entropy = cfg.policy not in ("static", "budget") and is_sampled_step(step, cfg.iteration_sample_rate)
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         control = None
         if want_entropy or want_errors:
@@ -533,7 +548,9 @@ class EDGCState:
             self.controller.observe(self.last_entropy)
         if step % cfg.window == 0:
             self.controller.close_window()
-            if self.phase == "compress":
+            if self.phase == "compress" and cfg.policy == "budget":
+                self._budget_decide()
+            elif self.phase == "compress":
                 if self.alignment is not None:
                     # the stage exchange waits for stage 0, which may still be in its
                     # backward pass: the pipeline stage calls align() after its sends
@@ -647,6 +664,11 @@ class EDGCState:
             project_q(m, p, out=q)
             if send is not q:
                 send.copy_(q)
+        if cfg.policy == "budget" and groups:
+            # ‖M‖² and, P being orthonormal, ‖PᵀM‖² = ‖Q‖² kept by the subspace (local, before the sum)
+            kept = torch.stack([torch.stack([m.double().pow(2).sum(), q.double().pow(2).sum()]) for m, q in zip(ms, qs)],
+                               dim=1)  # (2, groups)
+            self._kept = kept if self._kept is None else self._kept.to(kept.device) + kept
         if groups:
             # collectives: all-reduce SUM of Q ((n*r) per matrix), one buffer per dtype
             self._wait([self._all_reduce(q_flat, async_op=True) for q_flat in q_flats], step_comm)
@@ -692,6 +714,28 @@ class EDGCState:
         works = [send if _working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=_working_dtype(g.dtype))
                  for g, send in zip(groups, sends)]
         return flats, works, sends
+
+    def _budget_decide(self) -> None:
+        """Policy "budget", at a window end: each group's rank from the share of its energy
+        the window's compressed steps left out (edgc.policy.budget), agreed over replicas."""
+        groups = list(self.groups.values())
+        if self._kept is None or not groups:
+            return
+        # collective (window ends only): all-reduce SUM of 2 float64 per group (‖M‖², ‖Q‖²)
+        kept = self._kept.cpu()
+        self._all_reduce(kept, device_copy=self.device)
+        self._kept = None
+        cfg = self.config
+        shares = []
+        for g, (energy, captured) in zip(groups, kept.t().tolist()):
+            left_out = 1.0 - captured / energy if energy > 0 else math.nan
+            shares.append(round(left_out, 4))
+            rank = budget_rank(g.q.shape[-1], left_out, cfg.error_budget, r_min=min(self.r_min, *g.shape),
+                               r_max=min(self.r_max, *g.shape), multiple=cfg.rank_multiple)
+            g.q = resize_q(g.q, rank, self.generator)
+        self.applied_rank = self.rank
+        logger.info("EDGC budget: step %s, energy left out %s -> group ranks %s", self.step, shares,
+                    [g.q.shape[-1] for g in groups])
 
     def align(self) -> None:
         """In a pipeline: finish a window-end decision with the DAC exchange between stages

@@ -78,7 +78,7 @@ class TrainConfig:
     eval_every: int | None = None
     """Validation every N steps (and at the end); None: steps // 6."""
 
-    eval_tokens: int | None = 262_144
+    eval_tokens: int | None = 524_288
     """Validation tokens per evaluation, at most: the validation split cut into
     non-overlapping blocks of block_size, spread evenly over it when there are more than
     this, shared out over the data-parallel replicas, the same blocks at every evaluation
@@ -100,8 +100,10 @@ class TrainConfig:
     vocab_size: int = 2048
     """Size of the local BPE when tokenizer is "bpe"."""
 
-    corpus_bytes: int | None = 4_000_000
-    """Cap on the built-in corpus in bytes (None: the whole standard library)."""
+    corpus_bytes: int | None = None
+    """Cap on the built-in corpus in bytes: the alphabetically first files of its selection
+    (None: all of it, about 9 MB on CPython 3.11, which the validation split needs to be
+    large enough; see edgc.data.corpus.BUILTIN_VAL_FRACTION)."""
 
     data_cache: str = "runs/.data"
     """Where the built-in corpus is tokenised to, once."""
@@ -206,6 +208,9 @@ class TrainConfig:
                 bad("pp", f"the {self.preset} preset has {layers} blocks, fewer than pp({self.pp}) stages")
             if self.method == "torch-powersgd":
                 bad("method", "torch-powersgd is not supported with pp > 1 (use powersgd, our static-rank compressor)")
+            if self.edgc.get("policy") == "budget":
+                bad("edgc", 'policy "budget" (one rank per matrix group) does not take the DAC\'s stage alignment '
+                            "yet; use cqm, linear or static with pp > 1")
             if self.grad_accum != 1:
                 bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
             if self.dtype != "fp32":

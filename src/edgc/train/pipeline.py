@@ -169,15 +169,14 @@ def _loss_fn(microbatches: int):
 
 def _run(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, x: torch.Tensor, y: torch.Tensor) -> float | None:
     """One schedule step; returns the batch's mean loss on the last stage."""
-    call = schedule.step
     losses: list[torch.Tensor] = []
     with stage.no_sync():
         if layout.first:
-            call(x)
+            schedule.step(x)
         elif layout.last:
-            call(target=y, losses=losses)
+            schedule.step(target=y, losses=losses)
         else:
-            call()
+            schedule.step()
     return float(sum(loss.detach().double() for loss in losses)) if layout.last else None
 
 

@@ -27,7 +27,10 @@ def report(run_dirs: list[str | Path], out_dir: str | Path) -> str:
     plot_runs([(n, r) for n, _, r in loaded], out_dir)
     (out_dir / "report.md").write_text(
         "# edgc report\n\n" + text
-        + "\nBytes are per replica, as handed to collectives. Step time leaves out the first 5% of steps.\n\n"
+        + "\nBytes are per replica, as handed to collectives. Step time leaves out the first 5% of steps. "
+        "The validation loss comes with its standard error over the evaluation blocks; \"within SE\" marks a "
+        "difference from the first run no larger than the two runs' combined standard error "
+        "(sqrt(SE1^2 + SE2^2)), i.e. not shown to be real.\n\n"
         "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
     return text

@@ -11,7 +11,7 @@ from typing import Any
 from edgc.train.metrics import read_metrics
 from edgc.train.plots import plot_runs
 
-__all__ = ["RunSummary", "load_run", "stage_table", "summarize", "table", "write_summary"]
+__all__ = ["RunSummary", "compare_loss", "load_run", "stage_table", "summarize", "table", "write_summary"]
 
 
 @dataclass
@@ -29,6 +29,8 @@ class RunSummary:
     total_comm_time: float
     mean_tokens_per_s: float
     final_rank: int
+    final_val_loss_se: float = math.nan
+    """Standard error of final_val_loss (NaN for runs logged before it was recorded)."""
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -48,6 +50,7 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
     # the first steps include one-off start-up costs; leave out 5% from the mean step time
     timed = train[len(train) // 20 :] or train
     last_val = val[-1]["val_loss"] if val else math.nan
+    last_se = val[-1].get("val_loss_se") if val else None
     return RunSummary(
         name=name, method=config.get("method", "?"), steps=train[-1]["step"],
         final_val_loss=last_val, final_val_ppl=math.exp(last_val) if math.isfinite(last_val) else math.nan,
@@ -57,20 +60,46 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
         total_comm_time=sum(r["comm_time"] for r in train),
         mean_tokens_per_s=sum(r["tokens_per_s"] for r in timed) / len(timed),
         final_rank=train[-1]["rank"],
+        final_val_loss_se=last_se if last_se is not None else math.nan,
     )
 
 
+def compare_loss(loss: float, se: float, base_loss: float, base_se: float) -> str:
+    """`loss` against `base_loss` in percent, e.g. "+0.12% (within SE)" when the difference
+    is at most their combined standard error sqrt(se^2 + base_se^2), "—" when either loss
+    is missing. (Both runs are evaluated on the same blocks, so their errors are positively
+    correlated and the combined SE overstates the noise of the difference: "within SE"
+    is a cautious verdict, and a difference outside it is real.)"""
+    if not (math.isfinite(loss) and math.isfinite(base_loss)) or base_loss == 0:
+        return "—"
+    diff = loss - base_loss
+    text = f"{diff / base_loss:+.2%}"
+    combined = math.sqrt(se * se + base_se * base_se)
+    if math.isfinite(combined):
+        text += " (within SE)" if abs(diff) <= combined else " (beyond SE)"
+    return text
+
+
+def _loss_with_se(loss: float, se: float) -> str:
+    return f"{loss:.4f} ± {se:.4f}" if math.isfinite(se) else f"{loss:.4f}"
+
+
 def table(summaries: list[RunSummary]) -> str:
-    """A markdown comparison table; ratios are against the first run."""
+    """A markdown comparison table; ratios are against the first run. The validation loss
+    comes with its standard error, and "val loss vs first" says whether a difference is
+    within the two runs' combined standard error (see `compare_loss`)."""
     base = summaries[0]
     lines = [
-        "| run | method | steps | final val loss | val ppl | total MB sent | bytes vs first | "
-        "mean step (ms) | comm time (s) | final rank |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | method | steps | final val loss ± SE | val loss vs first | val ppl | total MB sent | "
+        "bytes vs first | mean step (ms) | comm time (s) | final rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
+        versus = "—" if s is base else compare_loss(s.final_val_loss, s.final_val_loss_se,
+                                                     base.final_val_loss, base.final_val_loss_se)
         lines.append(
-            f"| {s.name} | {s.method} | {s.steps} | {s.final_val_loss:.4f} | {s.final_val_ppl:.2f} | "
+            f"| {s.name} | {s.method} | {s.steps} | {_loss_with_se(s.final_val_loss, s.final_val_loss_se)} | "
+            f"{versus} | {s.final_val_ppl:.2f} | "
             f"{s.total_bytes / 1e6:.1f} | {s.total_bytes / base.total_bytes:.3f} | {s.mean_step_time * 1e3:.1f} | "
             f"{s.total_comm_time:.2f} | {s.final_rank} |"
         )
@@ -111,6 +140,21 @@ def _layout(config: dict[str, Any]) -> str:
     return f"{world} workers"
 
 
+def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """A sentence on the final evaluation: loss ± standard error, and what it covered."""
+    val = [r for r in records if r.get("kind") == "val"]
+    if not val or val[-1].get("val_loss_se") is None:
+        return ""
+    last = val[-1]
+    loss, se = last["val_loss"], last["val_loss_se"]
+    tokens = last.get("val_tokens") or 0
+    block = config.get("block_size") or 1
+    timed = [r["val_time"] for r in val if r.get("val_time") is not None]
+    return (f"Validation loss {loss:.4f} ± {se:.4f} (standard error, {se / loss:.2%} of the loss) over "
+            f"{tokens // block:,} blocks of {block} tokens ({tokens:,} tokens), the same blocks at every "
+            f"evaluation" + (f"; {sum(timed) / len(timed):.1f} s per evaluation" if timed else "") + ".\n\n")
+
+
 def write_summary(run_dir: str | Path) -> Path:
     """Write summary.md and the plots of one run folder; returns summary.md's path."""
     run_dir = Path(run_dir)
@@ -122,6 +166,7 @@ def write_summary(run_dir: str | Path) -> Path:
         f"# Run {run_dir.name}\n\n"
         f"{config['method']} on {config['preset']}, {_layout(config)}, {s.steps} steps.\n\n"
         + table([s]) + "\n"
+        + _validation_line(config, records)
         + stage_table([(run_dir.name, config, records)])
         + f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages) against "
         f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce ({ratio:.2f}x fewer).\n\n"

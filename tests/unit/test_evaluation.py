@@ -1,0 +1,133 @@
+"""The evaluation set, the validation loss and its standard error, and how reports use it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edgc.cli import main
+from edgc.data import TokenFile, write_token_file
+from edgc.models import build_model
+from edgc.train.config import TrainConfig
+from edgc.train.evaluation import LossMoments, block_losses, eval_batches, eval_starts
+from edgc.train.summary import compare_loss
+from edgc.train.trainer import evaluate
+
+
+def test_eval_starts_cover_the_split_with_disjoint_blocks():
+    starts = eval_starts(1001, 100)
+    assert starts.tolist() == list(range(0, 1000, 100))  # (1001 - 1) // 100 = 10 blocks, targets fit
+    assert eval_starts(1000, 100).tolist() == list(range(0, 900, 100))  # the 10th block lacks its last target
+    capped = eval_starts(100_001, 100, max_tokens=2_500)
+    assert len(capped) == 25 and np.all(np.diff(capped) >= 100)  # disjoint
+    assert capped[0] == 0 and capped[-1] >= 96_000  # spread over the whole split, not its start
+    assert np.all(capped % 100 == 0)  # on the grid
+    assert eval_starts(100_001, 100, max_tokens=1).tolist() == [0]
+    with pytest.raises(ValueError, match="block_size"):
+        eval_starts(100, 100)
+
+
+def test_eval_batches_pad_the_last_batch_and_say_so():
+    data = np.arange(1000, dtype=np.int64)
+    starts = eval_starts(len(data), 10)[:7]
+    batches = list(eval_batches(data, starts, 10, 3, torch.device("cpu")))
+    assert [b.valid for b in batches] == [3, 3, 1]
+    assert all(b.x.shape == (3, 10) for b in batches)
+    assert torch.equal(batches[0].x[1], torch.arange(10, 20)) and torch.equal(batches[0].y[1], torch.arange(11, 21))
+    assert torch.equal(batches[2].x[1], batches[2].x[0])  # padding repeats the first block
+
+
+def test_standard_error_matches_a_direct_computation():
+    gen = torch.Generator().manual_seed(0)
+    losses = 5.0 + 0.4 * torch.randn(1000, generator=gen, dtype=torch.float64)
+    moments = LossMoments(torch.device("cpu"))
+    for chunk in losses.split(64):
+        moments.add(chunk)
+    result = moments.result(block_size=128)
+    assert result.blocks == 1000 and result.tokens == 128_000
+    assert math.isclose(result.loss, float(losses.mean()), rel_tol=1e-13)
+    assert math.isclose(result.se, float(losses.std() / math.sqrt(1000)), rel_tol=1e-10)
+    one = LossMoments(torch.device("cpu"))
+    one.add(losses[:1])
+    assert math.isnan(one.result(128).se)
+
+
+def test_block_losses_are_per_block_cross_entropy():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 7, generator=gen)
+    targets = torch.randint(7, (3, 5), generator=gen)
+    per_block = block_losses(logits, targets)
+    assert per_block.dtype == torch.float64 and per_block.shape == (3,)
+    for b in range(3):
+        assert math.isclose(float(per_block[b]), float(F.cross_entropy(logits[b], targets[b])), rel_tol=1e-6)
+
+
+@pytest.fixture
+def val_file(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 64, size=32 * 20 + 1 + 7)  # 20 blocks of 32, and a tail
+    write_token_file([ids], tmp_path / "val.bin", vocab_size=64, tokenizer_name="test")
+    return TokenFile(tmp_path / "val.bin")
+
+
+def test_evaluate_is_deterministic_covers_every_block_and_matches_by_hand(val_file):
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=64, block_size=32)
+    cfg = TrainConfig(block_size=32, batch_size=6, eval_tokens=None)
+    first = evaluate(model, val_file, cfg, rank=0, world=1, device=torch.device("cpu"))
+    assert model.training  # left in training mode
+    again = evaluate(model, val_file, cfg, rank=0, world=1, device=torch.device("cpu"))
+    assert (first.loss, first.se, first.blocks) == (again.loss, again.se, again.blocks)
+    assert first.blocks == 20 and first.tokens == 640
+
+    model.eval()
+    with torch.no_grad():
+        by_hand = torch.stack([
+            F.cross_entropy(model(torch.from_numpy(val_file.tokens[s : s + 32].astype(np.int64))[None])[0][0],
+                            torch.from_numpy(val_file.tokens[s + 1 : s + 33].astype(np.int64))).double()
+            for s in range(0, 640, 32)
+        ])
+    assert math.isclose(first.loss, float(by_hand.mean()), rel_tol=1e-6)
+    assert math.isclose(first.se, float(by_hand.std() / math.sqrt(20)), rel_tol=1e-4)
+
+    capped = evaluate(model, val_file, TrainConfig(block_size=32, batch_size=6, eval_tokens=5 * 32),
+                      rank=0, world=1, device=torch.device("cpu"))
+    assert capped.blocks == 5
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def test_compare_loss_says_when_a_difference_is_within_the_standard_error():
+    assert compare_loss(5.006, 0.005, 5.0, 0.005) == "+0.12% (within SE)"  # 0.006 <= sqrt(2) * 0.005
+    assert compare_loss(4.99, 0.005, 5.0, 0.005) == "-0.20% (beyond SE)"
+    assert compare_loss(5.01, math.nan, 5.0, 0.004) == "+0.20%"  # an old run without an SE
+    assert compare_loss(math.nan, 0.0, 5.0, 0.004) == "—"
+
+
+def _fake_run(folder, val_loss: float, se: float) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"method": "none", "preset": "tiny", "block_size": 32}))
+    train = {"kind": "train", "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1.0, "step_time": 0.1, "comm_time": 0.01,
+             "bytes_sent": 100, "bytes_uncompressed": 100, "rank": 0, "entropy": 0.0, "phase": "warmup"}
+    lines = [{"step": s, **train} for s in (1, 2)]
+    lines.append({"step": 2, "kind": "val", "val_loss": val_loss, "val_loss_se": se, "val_ppl": math.exp(val_loss),
+                  "val_tokens": 6400, "val_time": 0.5})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_edgc_report_marks_differences_within_and_beyond_the_standard_error(tmp_path, capsys):
+    _fake_run(tmp_path / "a", 5.000, 0.005)
+    _fake_run(tmp_path / "b", 5.006, 0.005)
+    _fake_run(tmp_path / "c", 4.950, 0.005)
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"),
+                 "--out", str(tmp_path / "rep")]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert "| 5.0000 ± 0.0050 | — |" in rows["a"]
+    assert "| 5.0060 ± 0.0050 | +0.12% (within SE) |" in rows["b"]
+    assert "| 4.9500 ± 0.0050 | -1.00% (beyond SE) |" in rows["c"]
+    assert "within SE" in (tmp_path / "rep" / "report.md").read_text()
