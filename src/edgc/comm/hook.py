@@ -666,8 +666,9 @@ class EDGCState:
                 send.copy_(q)
         if cfg.policy == "budget" and groups:
             # ‖M‖² and, P being orthonormal, ‖PᵀM‖² = ‖Q‖² kept by the subspace (local, before the sum)
-            kept = torch.stack([torch.stack([m.double().pow(2).sum(), q.double().pow(2).sum()]) for m, q in zip(ms, qs)],
-                               dim=1)  # (2, groups)
+            # (norms in the working dtype, no float64 copy of M; squared in float64)
+            kept = torch.stack([torch.stack([torch.linalg.vector_norm(m), torch.linalg.vector_norm(q)]).double().pow(2)
+                                for m, q in zip(ms, qs)], dim=1)  # (2, groups)
             self._kept = kept if self._kept is None else self._kept.to(kept.device) + kept
         if groups:
             # collectives: all-reduce SUM of Q ((n*r) per matrix), one buffer per dtype
