@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -46,6 +47,7 @@ def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, thread
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world)
         result: tuple[str, Any] = ("ok", fn(rank, world, *args))
+        gc.collect()  # (see train_distributed: free reference cycles holding gloo work first)
         dist.destroy_process_group()
     except BaseException:  # report every failure to the parent, then exit
         result = ("error", traceback.format_exc())

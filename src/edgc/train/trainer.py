@@ -15,6 +15,7 @@ parameters and gradients, and for fp16 a GradScaler whose scale the EDGC state i
 from __future__ import annotations
 
 import contextlib
+import gc
 import dataclasses
 import json
 import logging
@@ -140,7 +141,12 @@ def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
         train_worker(rank, world, cfg.to_dict(), str(data), resume)
         if rank == 0:
             write_summary(Path(cfg.out))
+        dist.barrier()  # every rank leaves together
     finally:
+        # DDP, its reducer and the hook state refer to each other; collect them (and the
+        # gloo work they hold) while the interpreter is alive, not at its shutdown, where a
+        # worker was seen to abort ("terminate called without an active exception")
+        gc.collect()
         dist.destroy_process_group()
     return Path(cfg.out)
 
