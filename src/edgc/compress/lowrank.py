@@ -112,6 +112,12 @@ def resize_q(q: torch.Tensor, rank: int, generator: torch.Generator) -> torch.Te
     return torch.cat([q, extra], dim=-1)
 
 
+def _as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """t viewed as (shape[0], prod(shape[1:])), in float32 or better (for the SVD)."""
+    a = t.reshape(t.shape[0], -1)
+    return a if a.dtype in (torch.float32, torch.float64) else a.float()
+
+
 def relative_lowrank_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[float]:
     """Relative Frobenius error of the best rank-r approximation, aggregated over matrices.
 
@@ -122,9 +128,7 @@ def relative_lowrank_error(matrices: list[torch.Tensor], ranks: list[int]) -> li
     tail = [0.0] * len(ranks)
     total = 0.0
     for mat in matrices:
-        a = mat.reshape(mat.shape[0], -1)
-        if a.dtype not in (torch.float32, torch.float64):
-            a = a.float()
+        a = _as_matrix(mat)
         s2 = torch.linalg.svdvals(a).double().pow(2)  # (min(m, n),)
         total += float(s2.sum())
         for k, r in enumerate(ranks):
@@ -144,9 +148,7 @@ def lowrank_l1_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[flo
     total = [0.0] * len(ranks)
     count = 0
     for mat in matrices:
-        a = mat.reshape(mat.shape[0], -1)
-        if a.dtype not in (torch.float32, torch.float64):
-            a = a.float()
+        a = _as_matrix(mat)
         u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (m, k), (k,), (k, n)
         for i, r in enumerate(ranks):
             approx = (u[:, :r] * s[:r]) @ vh[:r]  # (m, n)
