@@ -236,9 +236,9 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
             notes.append(
                 f"- {p.name}: {'reaches' if same else 'does not reach'} {target_name}'s final loss within one "
                 f"standard error ({p.val_loss:.4f} vs {ref.val_loss:.4f} ± {margin:.4f}) with "
-                f"{p.bytes / ref.bytes:.2f}x its bytes; against the static frontier it is "
-                f"{frontier_verdict(p, statics, 'bytes')} on bytes and {frontier_verdict(p, statics, 'seconds')} "
-                "on time."
+                f"{p.bytes / ref.bytes:.2f}x its bytes. Against the static frontier: "
+                f"{frontier_verdict(p, statics, 'bytes')} (loss vs bytes), "
+                f"{frontier_verdict(p, statics, 'seconds')} (loss vs time)."
             )
     return (
         "# edgc bench pareto\n\n" + setup + "\n\n" + "\n".join(lines) + "\n\n"
