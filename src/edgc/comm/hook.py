@@ -215,18 +215,12 @@ class EDGCState:
     def world_size(self) -> int:
         """Replicas in the group: bound at the first step; before it, what the group says
         now (1 while torch.distributed is not initialised)."""
-        if self._bound is not None:
-            return self._bound[0]
-        identity = self._identity()
-        return identity[0] if identity is not None else 1
+        return (self._bound or self._identity() or (1, 0))[0]
 
     @property
     def replica(self) -> int:
         """This process's rank in the group (bound at the first step, like world_size)."""
-        if self._bound is not None:
-            return self._bound[1]
-        identity = self._identity()
-        return identity[1] if identity is not None else 0
+        return (self._bound or self._identity() or (1, 0))[1]
 
     def _identity(self) -> tuple[int, int] | None:
         """(world size, rank) in the group, or None when torch.distributed is not initialised."""
@@ -769,13 +763,6 @@ class EDGCState:
             for i, s in enumerate(g.slots):
                 grads[s].add_(g.error[i].view(grads[s].shape), alpha=self.grad_scale)
             g.error.zero_()
-
-    def scale_error_feedback(self, factor: float) -> None:
-        """Multiply every error-feedback buffer by `factor` (for callers that change the
-        gradient's units themselves; set_grad_scale covers GradScaler)."""
-        for g in self.groups.values():
-            if g.error is not None:
-                g.error.mul_(factor)
 
     def _set_rank(self, rank: int) -> None:
         """Resize every group's Q to `rank` (capped by the matrix), keeping the warm start."""

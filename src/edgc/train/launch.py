@@ -61,8 +61,9 @@ def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None
               backend: str = "gloo") -> list[Any]:
     """Run fn(rank, world, *args) on `nproc` spawned processes; returns results by rank.
 
-    Workers meet over `backend` (gloo, or NCCL with one GPU each) on 127.0.0.1. `fn` must be importable (module level). Each
-    worker gets `threads` intra-op threads (default: the cores shared out evenly).
+    Workers meet over `backend` (gloo, or NCCL with one GPU each) on 127.0.0.1. `fn` must
+    be importable (module level). Each worker gets `threads` intra-op threads (default:
+    the cores shared out evenly).
     Raises WorkerError with the failing worker's traceback; on a timeout or Ctrl-C every
     worker is killed, so nothing is left running.
     """

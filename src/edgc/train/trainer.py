@@ -118,11 +118,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
 
 def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun)."""
-    if cfg.resolved_device() == "cuda" and torch.cuda.is_available():  # (else validation says why)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    # (without a visible GPU, validation below says why --device cuda cannot run)
+    device = worker_device(cfg.resolved_device()) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
@@ -183,10 +181,11 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
     return moments.result(cfg.block_size)
 
 
-def worker_device(cfg: TrainConfig) -> torch.device:
-    """This worker's device: its GPU (LOCAL_RANK, shared round-robin when there are more
-    workers than GPUs) or the CPU. Sets it as the current CUDA device."""
-    if cfg.device != "cuda":
+def worker_device(device: str) -> torch.device:
+    """This worker's device for a resolved `device` ("cpu" or "cuda"): its GPU (LOCAL_RANK,
+    shared round-robin when there are more workers than GPUs) or the CPU. Sets it as the
+    current CUDA device."""
+    if device != "cuda":
         return torch.device("cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -223,7 +222,7 @@ class Precision:
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
     """One replica's training loop. Rank 0 writes metrics and checkpoints."""
     cfg = TrainConfig.from_dict(cfg_dict)
-    device = worker_device(cfg)
+    device = worker_device(cfg.device)
     use_cuda = device.type == "cuda"
     if cfg.pp > 1:
         from edgc.train.pipeline import (
