@@ -95,3 +95,15 @@ def test_budget_policy_resumes_exactly_mid_window():
     for r in out:
         assert r["resumed"] == r["straight"]
         assert torch.equal(r["resumed_params"], r["straight_params"])
+
+
+def test_warmup_error_check_measures_in_the_chosen_norm():
+    cfg = dict(DYNAMIC, warmup_error_check=True, warmup_steps=4, window=4)
+    eps = {}
+    for norm in ("relative", "l1"):
+        results = run_workers(workers.train_and_report, 2, dict(cfg, warmup_error_norm=norm), 9, timeout=240)
+        assert results[0]["eps_max"] == results[1]["eps_max"]  # agreed over replicas
+        eps[norm] = results[0]["eps_max"]
+    assert 0 < eps["relative"] < 1
+    # the absolute error is in gradient units, far below the relative one for these small gradients
+    assert 0 < eps["l1"] < 0.1 * eps["relative"]

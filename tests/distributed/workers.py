@@ -75,7 +75,8 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int) -> 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
             "history": list(state.controller.history),
-            "group_ranks": {str(g.shape): g.q.shape[-1] for g in state.groups.values()}}
+            "group_ranks": {str(g.shape): g.q.shape[-1] for g in state.groups.values()},
+            "eps_max": state.gate.eps_max}
 
 
 def resume_check(rank: int, world: int, config_kwargs: dict, n: int) -> dict:
