@@ -13,8 +13,11 @@ from typing import Any
 
 from edgc.entropy import ESTIMATORS
 from edgc.policy.cqm import METHODS as CQM_METHODS
+from edgc.policy.schedule import parse_rank_schedule
 
-POLICIES = ("cqm", "linear", "static", "budget")
+POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule")
+#: Policies that set one rank per group of same-shape matrices.
+GROUP_POLICIES = ("budget", "spectral")
 WARMUP_ERROR_NORMS = ("relative", "l1")
 
 
@@ -26,7 +29,10 @@ class EDGCConfig:
     """How the rank is chosen: "cqm" (the paper's rule, r1 = g^-1(e^(H0-H1) g(r0))),
     "linear" (the released code's rule), "static" (fixed rank `max_rank`: PowerSGD), or
     "budget" (beyond the paper: one rank per group of same-shape matrices, steered each
-    window towards leaving out `error_budget` of the group's energy; edgc.policy.budget)."""
+    window towards leaving out `error_budget` of the group's energy; edgc.policy.budget), or
+    "spectral" (beyond the paper: one rank per group, following the effective rank of the
+    spectrum PowerSGD transmits; edgc.policy.spectral), or "schedule" (the rank as a fixed
+    step function of the step, `rank_schedule`; edgc.policy.schedule)."""
 
     max_rank: int | None = None
     """Upper rank bound r_max. None: calibrate it by timing compressed against
@@ -45,6 +51,15 @@ class EDGCConfig:
     error_budget: float = 0.05
     """For policy "budget": the share of each matrix group's energy (gradient plus error
     feedback) that the low-rank approximation may leave out, averaged over a window."""
+
+    spectral_headroom: float = 1.5
+    """For policy "spectral": each group's rank is moved towards this multiple of its
+    window-mean effective rank exp(H(σ²/Σσ²)); the rank settles where the transmitted
+    spectrum's effective rank is 1/headroom of the rank (edgc.policy.spectral)."""
+
+    rank_schedule: str = ""
+    """For policy "schedule": knots "STEP:RANK,..." (e.g. "0:32,300:16"); from each
+    knot's step on, compressed steps use its rank. Ranks must not exceed `max_rank`."""
 
     window: int = 1000
     """w: iterations per entropy window; the rank is revisited once per window (paper: 1000)."""
@@ -128,8 +143,15 @@ class EDGCConfig:
             bad("min_rank", "must be a positive integer or None (max_rank // 4)")
         if self.min_rank is not None and self.max_rank is not None and self.min_rank > self.max_rank:
             bad("min_rank", f"must not exceed max_rank={self.max_rank}")
-        if self.policy == "static" and self.max_rank is None:
-            bad("max_rank", 'the "static" policy needs a fixed rank')
+        if self.policy in ("static", "schedule") and self.max_rank is None:
+            bad("max_rank", f'the "{self.policy}" policy needs a fixed rank')
+        if self.policy == "schedule":
+            try:
+                knots = parse_rank_schedule(self.rank_schedule)
+            except ValueError as exc:
+                bad("rank_schedule", str(exc))
+            if _is_int(self.max_rank) and max(r for _, r in knots) > self.max_rank:
+                bad("rank_schedule", f"ranks must not exceed max_rank={self.max_rank}")
         for name in ("rank_step", "rank_multiple", "window", "bins", "calibration_repeats"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -146,6 +168,9 @@ class EDGCConfig:
         if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) \
                 or not 0.0 < self.error_budget < 1.0:
             bad("error_budget", "must be in (0, 1)")
+        if isinstance(self.spectral_headroom, bool) or not isinstance(self.spectral_headroom, (int, float)) \
+                or not 1.0 <= self.spectral_headroom <= 8.0:
+            bad("spectral_headroom", "must be in [1, 8]")
         if self.warmup_error_norm not in WARMUP_ERROR_NORMS:
             bad("warmup_error_norm", f"must be one of {WARMUP_ERROR_NORMS}")
         if self.cqm_method not in CQM_METHODS:

@@ -131,3 +131,40 @@ def test_pipeline_refuses_what_it_does_not_support_yet(tmp_path, data_dir, capsy
     assert main(_train(data_dir, tmp_path / "b", "--pp", "2", "--dtype", "bf16")) == 2
     assert "mixed precision is not supported with pp > 1" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before writing anything
+
+
+def test_rank_schedule_through_the_cli_changes_rank_at_its_knots_and_resumes_exactly(tmp_path, data_dir):
+    common = ["--method", "edgc", "--rank", "8", "--steps", "10", "--eval-every", "5", "--checkpoint-every", "5",
+              "--edgc-policy", "schedule", "--edgc-rank-schedule", "0:8,6:4", "--edgc-warmup-steps", "2"]
+    straight = tmp_path / "straight"
+    assert main(_train(data_dir, straight, *common)) == 0
+    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["rank"] for r in train] == [0, 0, 8, 8, 8, 4, 4, 4, 4, 4]
+    part = tmp_path / "part"
+    assert main(_train(data_dir, part, *common, "--stop-after", "5")) == 0
+    assert main(["train", "--resume", str(part), "--stop-after", "10", "--no-progress"]) == 0
+    a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
+    b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
+    assert a == b
+
+
+def test_policy_option_errors_name_the_field(tmp_path, data_dir, capsys):
+    assert main(_train(data_dir, tmp_path / "a", "--method", "edgc", "--rank", "8", "--edgc-policy", "schedule",
+                       "--edgc-rank-schedule", "0:8,5:16")) == 2
+    assert "rank_schedule" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main(_train(data_dir, tmp_path / "b", "--method", "edgc", "--rank", "8", "--edgc-policy", "schedule",
+                       "--edgc-rank-schedule", "5:8,2:4")) == 2
+    assert "must increase" in capsys.readouterr().err
+    assert main(_train(data_dir, tmp_path / "c", "--method", "edgc", "--edgc-policy", "spectral",
+                       "--edgc-spectral-headroom", "0.5")) == 2
+    assert "spectral_headroom" in capsys.readouterr().err
+
+
+def test_spectral_policy_through_the_cli_sets_per_group_ranks(tmp_path, data_dir):
+    out = tmp_path / "run"
+    assert main(_train(data_dir, out, "--method", "edgc", "--rank", "8", "--steps", "12", "--edgc-policy", "spectral",
+                       "--edgc-min-rank", "1", "--edgc-warmup-steps", "2", "--edgc-window", "3")) == 0
+    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    ranks = [r["rank"] for r in train[2:]]
+    assert ranks[0] == 1 and len(set(ranks)) >= 2, ranks  # starts at r_min, then follows the spectrum
+    assert all(r["entropy"] is None for r in train)  # no gradient sample: the factors are the signal

@@ -2,7 +2,7 @@
 
 import math
 
-from edgc.bench.pareto import ParetoPoint, frontier_verdict, static_ranks, sweep
+from edgc.bench.pareto import ParetoPoint, frontier_verdict, split_policies, static_ranks, sweep
 
 
 def _p(name, loss, mb, se=0.01, seconds=None, kind="static", rank=None):
@@ -27,6 +27,20 @@ def test_sweep_runs_none_every_static_rank_torch_and_each_policy():
 
     with pytest.raises(ValueError, match="unknown dynamic policy"):
         sweep(32, ["static"])
+
+
+def test_policy_specs_carry_a_rank_schedule():
+    import pytest
+
+    assert split_policies("cqm,spectral,schedule=0:32,500:16") == ["cqm", "spectral", "schedule=0:32,500:16"]
+    assert split_policies("schedule=0:32,500:16;cqm") == ["schedule=0:32,500:16", "cqm"]
+    name, kind, rank, args = sweep(32, ["schedule=0:32,500:16"])[-1]
+    assert (name, kind, rank) == ("edgc-schedule", "dynamic", 32)
+    assert args[-4:] == ["--edgc-policy", "schedule", "--edgc-rank-schedule", "0:32,500:16"]
+    with pytest.raises(ValueError, match="give a schedule"):
+        sweep(32, ["schedule"])
+    with pytest.raises(ValueError, match="give a schedule"):
+        sweep(32, ["cqm=0:4"])
 
 
 def test_verdicts_interpolate_in_log_bytes_with_the_standard_error_as_margin():

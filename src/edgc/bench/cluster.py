@@ -37,7 +37,8 @@ def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float, env: di
     base = {
         **os.environ, **(env or {}),
         "MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(cluster.n),
-        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": cluster.ifname,
+        # (the emulated nodes share this machine and its GPUs: local ranks are cluster ranks)
+        "LOCAL_WORLD_SIZE": str(cluster.n), "GLOO_SOCKET_IFNAME": cluster.ifname,
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cluster.n)), "PYTHONUNBUFFERED": "1",
     }
     with tempfile.TemporaryDirectory(prefix="edgc-cluster-") as tmp:
@@ -48,7 +49,7 @@ def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float, env: di
                 with logs[r].open("w") as log:
                     procs.append(subprocess.Popen(
                         cluster.command(r, [sys.executable, "-m", "edgc", *args]),
-                        env={**base, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
+                        env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
                     ))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,17 +70,34 @@ def static_ranks(r_max: int) -> list[int]:
     return sorted({max(1, r_max >> k) for k in range(4)})
 
 
+def split_policies(text: str) -> list[str]:
+    """Policy specs from --policies: separated by ';', or by ',' outside a schedule's knots."""
+    if ";" in text:
+        return [p.strip() for p in text.split(";") if p.strip()]
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part and specs and specs[-1].startswith("schedule=") and "=" not in part and ":" in part:
+            specs[-1] += "," + part  # another knot of the schedule before it
+        elif part:
+            specs.append(part)
+    return specs
+
+
 def sweep(r_max: int, policies: list[str]) -> list[tuple[str, str, int | None, list[str]]]:
     """(run name, kind, rank, `edgc train` arguments) for every run of the sweep."""
     runs: list[tuple[str, str, int | None, list[str]]] = [("none", "none", None, ["--method", "none"])]
     for r in static_ranks(r_max):
         runs.append((f"powersgd-r{r}", "static", r, ["--method", "powersgd", "--rank", str(r)]))
     runs.append((f"torch-powersgd-r{r_max}", "torch", r_max, ["--method", "torch-powersgd", "--rank", str(r_max)]))
-    for policy in policies:
+    for spec in policies:
+        policy, _, schedule = spec.partition("=")
         if policy not in POLICIES or policy == "static":
             raise ValueError(f"unknown dynamic policy {policy!r}; choose from {[p for p in POLICIES if p != 'static']}")
+        if (policy == "schedule") != bool(schedule):
+            raise ValueError(f'{spec!r}: give a schedule as schedule=STEP:RANK,... and only for "schedule"')
+        extra = ["--edgc-rank-schedule", schedule] if schedule else []
         runs.append((f"edgc-{policy}", "dynamic", r_max,
-                     ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy]))
+                     ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy, *extra]))
     return runs
 
 
@@ -154,7 +172,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rank", type=int, default=32, help="r_max; static ranks r_max/8 .. r_max")
-    p.add_argument("--policies", default="cqm", help="dynamic policies, comma-separated (EDGCConfig.policy)")
+    p.add_argument("--policies", default="cqm",
+                   help="dynamic policies, separated by ';' or ',' (EDGCConfig.policy); a rank schedule as "
+                        "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\")")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once (loopback only): bytes and loss are unchanged, but the runs share "
+                        "the machine, so wall times are not comparable; 1 for the time plot")
     p.add_argument("--bandwidth", default=None,
                    help="per-link rate on an emulated cluster (needs root; tc syntax, e.g. 200mbit); "
                         "default: loopback, no limit (bytes and loss; wall time is not a network's)")
@@ -164,11 +187,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.nproc < 1 or args.rank < 1:
-        raise ValueError("--steps, --nproc and --rank must be positive")
+    if args.steps < 1 or args.nproc < 1 or args.rank < 1 or args.jobs < 1:
+        raise ValueError("--steps, --nproc, --rank and --jobs must be positive")
+    if args.jobs > 1 and args.bandwidth is not None:
+        raise ValueError("--jobs > 1 shares the machine between runs; an emulated cluster (--bandwidth) times one at a time")
     out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
-    runs = sweep(args.rank, [p.strip() for p in args.policies.split(",") if p.strip()])
+    runs = sweep(args.rank, split_policies(args.policies))
     if args.bandwidth is not None:
         try:
             Cluster.check()
@@ -179,18 +204,26 @@ def run(args: argparse.Namespace) -> int:
     data = ensure_data(base)  # tokenise once, before any worker starts
     out.mkdir(parents=True, exist_ok=True)
     with Cluster(args.nproc, args.bandwidth) as cluster:
+        todo = []
         for i, (name, _, _, method_args) in enumerate(runs, 1):
             run_dir = out / name
             train_args = ["train", "--preset", args.preset, "--steps", str(args.steps), "--data", str(data),
                           "--out", str(run_dir), "--no-progress", *method_args, *extra]
             if _finished(run_dir, train_args, args.steps):
                 print(f"[pareto] {i}/{len(runs)} {name}: already done, reused", flush=True)
-                continue
+            else:
+                todo.append((i, name, run_dir, train_args))
+
+        def train(i: int, name: str, run_dir: Path, train_args: list[str]) -> None:
             print(f"[pareto] {i}/{len(runs)} {name}: {args.steps} steps on {args.nproc} workers ...", flush=True)
             t0 = time.perf_counter()
             run_on_cluster(cluster, train_args, timeout=args.timeout)
             (run_dir / "pareto-args.json").write_text(json.dumps(train_args))
             print(f"[pareto] {i}/{len(runs)} {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # (each run is its own processes)
+            for done in [pool.submit(train, *job) for job in todo]:
+                done.result()  # the first failure, in sweep order
     static_max = f"powersgd-r{args.rank}"
     target = _point(static_max, "static", args.rank, out / static_max, None).val_loss
     points = [_point(name, kind, rank, out / name, target) for name, kind, rank, _ in runs]

@@ -60,10 +60,12 @@ from edgc.compress import (
     resize_q,
 )
 from edgc.comm.timing import Lap, LapSum, start_lap
-from edgc.config import EDGCConfig
+from edgc.config import GROUP_POLICIES, EDGCConfig
 from edgc.entropy import estimate_entropy, is_sampled_step, sample_gradient
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
+from edgc.policy.schedule import parse_rank_schedule, scheduled_rank
+from edgc.policy.spectral import effective_ranks, spectral_rank
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +146,9 @@ class EDGCState:
         if not isinstance(config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
         config.validate()
-        if config.policy == "budget" and alignment is not None:
-            raise ValueError('policy "budget" sets one rank per matrix group and does not take the DAC\'s stage '
-                             'alignment yet; use "cqm", "linear" or "static" in a pipeline')
+        if config.policy in (*GROUP_POLICIES, "schedule") and alignment is not None:
+            raise ValueError(f'policy "{config.policy}" does not take the DAC\'s stage alignment yet; '
+                             'use "cqm", "linear" or "static" in a pipeline')
         # hyperparameters
         self.config = config
         self._process_group = process_group
@@ -174,12 +176,14 @@ class EDGCState:
         self.controller = RankController(config.policy, rank_step=config.rank_step, rank_multiple=config.rank_multiple,
                                          smoothing=config.entropy_smoothing)
         self.gate = WarmupGate(config.warmup_steps, config.window, config.warmup_error_check)
+        self._schedule = parse_rank_schedule(config.rank_schedule) if config.policy == "schedule" else []
         self.generator = torch.Generator().manual_seed(config.seed)
         self.calibration: dict[str, Any] = {"points": [], "t_uncompressed": [], "done": config.max_rank is not None}
         self.groups: dict[tuple[int, int, str], _Group] = {}  # by (m, n, dtype)
-        # policy "budget": per group, the window's summed local (‖M‖², ‖Q‖²), float64 on
-        # the gradients' device (no host sync per step); agreed at the window end
-        self._kept: torch.Tensor | None = None
+        # per-group policies, a (2, groups) float64 sum over the window's steps, on the
+        # gradients' device (no host sync per step), agreed at the window end: "budget"
+        # sums local (‖M‖², ‖Q‖²), "spectral" (Σ effective rank, matrices counted)
+        self._window_sums: torch.Tensor | None = None
         self.uncompressed_slots: list[int] = []
         self._slot_of: dict[int, int] = {}  # id(param) -> slot
         self.slot_shapes: list[tuple[int, ...]] = []
@@ -317,7 +321,7 @@ class EDGCState:
         """The rank used for compressed steps now (0 while uncompressed)."""
         if self.phase != "compress" or self.stage_uncompressed:
             return 0
-        if self.config.policy == "budget" and self.groups:
+        if self.config.policy in GROUP_POLICIES and self.groups:
             # per-group ranks: the uniform rank that would send the same bytes
             groups = list(self.groups.values())
             return int(round(equivalent_rank([g.q.shape[-1] for g in groups],
@@ -380,7 +384,7 @@ class EDGCState:
                 for g in self.groups.values()
             ],
             "generator": self.generator.get_state(),
-            "budget_window": None if self._kept is None else self._kept.cpu().tolist(),
+            "policy_window": None if self._window_sums is None else self._window_sums.cpu().tolist(),
             "controller": self.controller.state_dict(),
             "gate": self.gate.state_dict(),
             "calibration": {k: (list(v) if isinstance(v, list) else v) for k, v in self.calibration.items()},
@@ -439,8 +443,8 @@ class EDGCState:
         self.uncompressed_slots = list(d["uncompressed_slots"])
         self._pending_groups = d["groups"]
         self.generator.set_state(d["generator"])
-        kept = d.get("budget_window")
-        self._kept = None if kept is None else torch.tensor(kept, dtype=torch.float64)
+        sums = d.get("policy_window", d.get("budget_window"))  # (the key's name before "spectral")
+        self._window_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
         self.controller.load_state_dict(d["controller"])
         self.gate.load_state_dict(d["gate"])
         self.calibration = dict(d["calibration"])
@@ -510,7 +514,7 @@ class EDGCState:
 
         # 1. Control values that replicas must agree on, only on steps that need them.
         # (the static policy decides nothing from entropy, so it pays nothing for it)
-        want_entropy = cfg.policy not in ("static", "budget") and is_sampled_step(step, cfg.iteration_sample_rate)
+        want_entropy = cfg.policy not in ("static", "schedule", *GROUP_POLICIES) and is_sampled_step(step, cfg.iteration_sample_rate)
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         control = None
         if want_entropy or want_errors:
@@ -519,6 +523,10 @@ class EDGCState:
         # 2. The gradient itself.
         step_comm = LapSum()  # this step's time in collectives (the DAC's T(r) samples)
         self.step_phase, self.step_rank = self.phase, 0
+        if self.phase == "compress" and cfg.policy == "schedule":
+            rank = scheduled_rank(self._schedule, step)
+            if rank != self.applied_rank:
+                self._apply_rank(rank)
         if self.phase == "compress" and not self.stage_uncompressed:
             nonfinite_start = self.nonfinite_steps
             self._compressed_sync(grads, step_comm)
@@ -542,9 +550,9 @@ class EDGCState:
             self.controller.observe(self.last_entropy)
         if step % cfg.window == 0:
             self.controller.close_window()
-            if self.phase == "compress" and cfg.policy == "budget":
-                self._budget_decide()
-            elif self.phase == "compress":
+            if self.phase == "compress" and cfg.policy in GROUP_POLICIES:
+                self._group_decide()
+            elif self.phase == "compress" and cfg.policy != "schedule":
                 if self.alignment is not None:
                     # the stage exchange waits for stage 0, which may still be in its
                     # backward pass: the pipeline stage calls align() after its sends
@@ -663,7 +671,7 @@ class EDGCState:
             # (norms in the working dtype, no float64 copy of M; squared in float64)
             kept = torch.stack([torch.stack([torch.linalg.vector_norm(m), torch.linalg.vector_norm(q)]).double().pow(2)
                                 for m, q in zip(ms, qs)], dim=1)  # (2, groups)
-            self._kept = kept if self._kept is None else self._kept.to(kept.device) + kept
+            self._add_window_sums(kept)
         if groups:
             # collectives: all-reduce SUM of Q ((n*r) per matrix), one buffer per dtype
             self._wait([self._all_reduce(q_flat, async_op=True) for q_flat in q_flats], step_comm)
@@ -671,6 +679,12 @@ class EDGCState:
             if send is not q:
                 q.copy_(send)
             q.div_(self.world_size)
+        if cfg.policy == "spectral" and groups and is_sampled_step(self.step, cfg.iteration_sample_rate):
+            # Q is the replicas' average: the same spectrum everywhere (local work, no collective)
+            eranks = [effective_ranks(q) for q in qs]
+            sums = torch.stack([torch.stack([e.nan_to_num(0.0).sum(), e.isfinite().sum().double()]) for e in eranks],
+                               dim=1)  # (2, groups)
+            self._add_window_sums(sums)
 
         for m, g, p, q in zip(ms, groups, ps, qs):
             m_hat = reconstruct(p, q)  # (B, m, n), working dtype
@@ -710,26 +724,37 @@ class EDGCState:
                  for g, send in zip(groups, sends)]
         return flats, works, sends
 
-    def _budget_decide(self) -> None:
-        """Policy "budget", at a window end: each group's rank from the share of its energy
-        the window's compressed steps left out (edgc.policy.budget), agreed over replicas."""
+    def _add_window_sums(self, sums: torch.Tensor) -> None:
+        self._window_sums = sums if self._window_sums is None else self._window_sums.to(sums.device) + sums
+
+    def _group_decide(self) -> None:
+        """Per-group policies, at a window end: each group's rank from its window sums,
+        agreed over replicas: "budget" from the share of the energy the window's compressed
+        steps left out (edgc.policy.budget), "spectral" from the mean effective rank of the
+        transmitted spectrum (edgc.policy.spectral)."""
         groups = list(self.groups.values())
-        if self._kept is None or not groups:
+        if self._window_sums is None or not groups:
             return
-        # collective (window ends only): all-reduce SUM of 2 float64 per group (‖M‖², ‖Q‖²)
-        kept = self._kept.cpu()
-        self._all_reduce(kept, device_copy=self.device)
-        self._kept = None
+        # collective (window ends only): all-reduce SUM of 2 float64 per group
+        sums = self._window_sums.cpu()
+        self._all_reduce(sums, device_copy=self.device)
+        self._window_sums = None
         cfg = self.config
-        shares = []
-        for g, (energy, captured) in zip(groups, kept.t().tolist()):
-            left_out = 1.0 - captured / energy if energy > 0 else math.nan
-            shares.append(round(left_out, 4))
-            rank = budget_rank(g.q.shape[-1], left_out, cfg.error_budget, r_min=min(self.r_min, *g.shape),
-                               r_max=min(self.r_max, *g.shape), multiple=cfg.rank_multiple)
+        signals = []
+        for g, (a, b) in zip(groups, sums.t().tolist()):
+            r_min, r_max, rank = min(self.r_min, *g.shape), min(self.r_max, *g.shape), g.q.shape[-1]
+            if cfg.policy == "budget":  # a = Σ‖M‖², b = Σ‖Q‖²
+                signal = 1.0 - b / a if a > 0 else math.nan
+                rank = budget_rank(rank, signal, cfg.error_budget, r_min=r_min, r_max=r_max, multiple=cfg.rank_multiple)
+            else:  # a = Σ effective rank, b = matrices counted
+                signal = a / b if b > 0 else math.nan
+                rank = spectral_rank(rank, signal, cfg.spectral_headroom, r_min=r_min, r_max=r_max,
+                                     multiple=cfg.rank_multiple)
+            signals.append(round(signal, 4))
             g.q = resize_q(g.q, rank, self.generator)
         self.applied_rank = self.rank
-        logger.info("EDGC budget: step %s, energy left out %s -> group ranks %s", self.step, shares,
+        logger.info("EDGC %s: step %s, %s %s -> group ranks %s", cfg.policy, self.step,
+                    "energy left out" if cfg.policy == "budget" else "effective ranks", signals,
                     [g.q.shape[-1] for g in groups])
 
     def align(self) -> None:
@@ -792,6 +817,10 @@ class EDGCState:
                 self.uncompressed_slots.append(s)
         # (a window that already holds warm-up steps is not compared by the CQM)
         rank = self.controller.start(self.r_min, self.r_max, None, mid_window=self.step % cfg.window != 0)
+        if cfg.policy == "spectral":
+            rank = self.r_min  # (early gradients are the most low-rank; the groups grow from there)
+        elif cfg.policy == "schedule":
+            rank = scheduled_rank(self._schedule, self.step + 1)
         self.applied_rank = rank
         device = grads[0].device
         self.groups = {}

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+from edgc.policy.spectral import round_rank
+
 __all__ = ["budget_rank", "equivalent_rank"]
 
 #: Exponent of the correction (see module doc).
@@ -41,10 +43,7 @@ def budget_rank(rank: int, left_out: float, budget: float, *, r_min: int, r_max:
         return rank
     left_out = min(max(left_out, 1e-6), 1.0)  # (a perfect fit still shrinks, by at most the clip)
     factor = min(max((left_out / budget) ** KAPPA, 1.0 / MAX_FACTOR), MAX_FACTOR)
-    proposed = rank * factor
-    # (below one multiple, whole ranks: a multiple of 4 must not round rank 2 down to 0)
-    rounded = int(round(proposed / multiple)) * multiple if proposed >= multiple else int(round(proposed))
-    return int(min(max(rounded, r_min, 1), r_max))
+    return round_rank(rank * factor, r_min=r_min, r_max=r_max, multiple=multiple)
 
 
 def equivalent_rank(ranks: list[int], costs: list[int]) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from edgc.config import EDGCConfig, reject_unknown_fields
+from edgc.config import GROUP_POLICIES, EDGCConfig, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 
@@ -208,9 +208,9 @@ class TrainConfig:
                 bad("pp", f"the {self.preset} preset has {layers} blocks, fewer than pp({self.pp}) stages")
             if self.method == "torch-powersgd":
                 bad("method", "torch-powersgd is not supported with pp > 1 (use powersgd, our static-rank compressor)")
-            if self.edgc.get("policy") == "budget":
-                bad("edgc", 'policy "budget" (one rank per matrix group) does not take the DAC\'s stage alignment '
-                            "yet; use cqm, linear or static with pp > 1")
+            if self.edgc.get("policy") in (*GROUP_POLICIES, "schedule"):
+                bad("edgc", f'policy "{self.edgc["policy"]}" does not take the DAC\'s stage alignment yet; '
+                            "use cqm, linear or static with pp > 1")
             if self.grad_accum != 1:
                 bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
             if self.dtype != "fp32":

@@ -120,8 +120,8 @@ def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun)."""
     # (without a visible GPU, validation below says why --device cuda cannot run)
     device = worker_device(cfg.resolved_device()) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    dist.init_process_group(process_group_backend(device.type, local_world, torch.cuda.device_count()))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
     try:
@@ -179,6 +179,13 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
         moments.add(block_losses(logits, batch.y)[: batch.valid])
     model.train()
     return moments.result(cfg.block_size)
+
+
+def process_group_backend(device_type: str, local_world: int, gpus: int) -> str:
+    """NCCL when this machine's `local_world` workers each have one of its `gpus` GPUs, else
+    gloo (which carries CUDA tensors too): NCCL refuses two ranks on one GPU ("Duplicate
+    GPU detected"), as when torchrun starts 2 workers on a 1-GPU machine."""
+    return "nccl" if device_type == "cuda" and 0 < local_world <= gpus else "gloo"
 
 
 def worker_device(device: str) -> torch.device:
