@@ -513,8 +513,9 @@ class EDGCState:
         self.bytes_uncompressed += sum(b.numel() * b.element_size() for b, _, _ in pending)
 
         # 1. Control values that replicas must agree on, only on steps that need them.
-        # (the static policy decides nothing from entropy, so it pays nothing for it)
-        want_entropy = cfg.policy not in ("static", "schedule", *GROUP_POLICIES) and is_sampled_step(step, cfg.iteration_sample_rate)
+        # (static, schedule and the per-group policies decide nothing from entropy, so they pay nothing for it)
+        want_entropy = (cfg.policy not in ("static", "schedule", *GROUP_POLICIES)
+                        and is_sampled_step(step, cfg.iteration_sample_rate))
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         control = None
         if want_entropy or want_errors:
@@ -725,6 +726,7 @@ class EDGCState:
         return flats, works, sends
 
     def _add_window_sums(self, sums: torch.Tensor) -> None:
+        """Add one step's (2, groups) values to the window's sums (on the gradients' device)."""
         self._window_sums = sums if self._window_sums is None else self._window_sums.to(sums.device) + sums
 
     def _group_decide(self) -> None:
