@@ -76,6 +76,19 @@ def _train(data, out, *extra):
             "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
+def _straight_and_resumed(data_dir, tmp_path, common, stop, steps):
+    """One run straight through and one stopped at `stop` then resumed to `steps`; returns
+    each run's (step, loss, val_loss, rank) records, and the straight run's folder."""
+    straight = tmp_path / "straight"
+    assert main(_train(data_dir, straight, *common)) == 0
+    part = tmp_path / "part"
+    assert main(_train(data_dir, part, *common, "--stop-after", str(stop))) == 0
+    assert main(["train", "--resume", str(part), "--stop-after", str(steps), "--no-progress"]) == 0
+    a, b = ([(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(d / "metrics.jsonl")]
+            for d in (straight, part))
+    return a, b, straight
+
+
 def test_metrics_show_what_each_step_did(tmp_path, data_dir):
     out = tmp_path / "run"
     assert main(_train(data_dir, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
@@ -94,13 +107,7 @@ def test_metrics_show_what_each_step_did(tmp_path, data_dir):
 def test_mixed_precision_trains_and_resumes_exactly(tmp_path, data_dir, dtype):
     common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4",
               "--edgc-warmup-steps", "2", "--edgc-window", "2", "--dtype", dtype, "--device", "cpu"]
-    straight = tmp_path / "straight"
-    assert main(_train(data_dir, straight, *common)) == 0
-    part = tmp_path / "part"
-    assert main(_train(data_dir, part, *common, "--stop-after", "4")) == 0
-    assert main(["train", "--resume", str(part), "--stop-after", "8", "--no-progress"]) == 0
-    a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
-    b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
+    a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 4, 8)
     assert a == b
     assert all(math.isfinite(r[1]) for r in a if r[1] is not None)
     saved = json.loads((straight / "config.json").read_text())
@@ -136,15 +143,9 @@ def test_pipeline_refuses_what_it_does_not_support_yet(tmp_path, data_dir, capsy
 def test_rank_schedule_through_the_cli_changes_rank_at_its_knots_and_resumes_exactly(tmp_path, data_dir):
     common = ["--method", "edgc", "--rank", "8", "--steps", "10", "--eval-every", "5", "--checkpoint-every", "5",
               "--edgc-policy", "schedule", "--edgc-rank-schedule", "0:8,6:4", "--edgc-warmup-steps", "2"]
-    straight = tmp_path / "straight"
-    assert main(_train(data_dir, straight, *common)) == 0
+    a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 5, 10)
     train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["rank"] for r in train] == [0, 0, 8, 8, 8, 4, 4, 4, 4, 4]
-    part = tmp_path / "part"
-    assert main(_train(data_dir, part, *common, "--stop-after", "5")) == 0
-    assert main(["train", "--resume", str(part), "--stop-after", "10", "--no-progress"]) == 0
-    a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
-    b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
     assert a == b
 
 

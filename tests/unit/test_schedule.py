@@ -3,7 +3,7 @@
 import pytest
 
 from edgc.policy.schedule import parse_rank_schedule, scheduled_rank
-from edgc.train.trainer import process_group_backend
+from edgc.train.config import process_group_backend
 
 
 def test_knots_parse_and_the_rank_steps_at_each():

@@ -21,6 +21,13 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
+def process_group_backend(device_type: str, local_world: int, gpus: int) -> str:
+    """NCCL when this machine's `local_world` workers each have one of its `gpus` GPUs, else
+    gloo (which carries CUDA tensors too): NCCL refuses two ranks on one GPU ("Duplicate
+    GPU detected"), as when torchrun starts 2 workers on a 1-GPU machine."""
+    return "nccl" if device_type == "cuda" and 0 < local_world <= gpus else "gloo"
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """One training run. Fields left at None are derived from the run length (`resolve`)."""
@@ -228,11 +235,9 @@ class TrainConfig:
         return self.device
 
     def backend(self, world: int) -> str:
-        """The process-group backend for `world` local workers on this config's device:
-        NCCL when every worker has a GPU of its own, else gloo (CUDA tensors included)."""
-        if self.resolved_device() == "cuda" and 0 < world <= torch.cuda.device_count():
-            return "nccl"
-        return "gloo"
+        """The process-group backend for `world` local workers on this config's device
+        (process_group_backend)."""
+        return process_group_backend(self.resolved_device(), world, torch.cuda.device_count())
 
     def check_layout(self, world: int) -> None:
         """Raise ValueError unless pp * dp == world, showing the arithmetic."""

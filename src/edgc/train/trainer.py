@@ -47,7 +47,7 @@ from edgc.train.checkpoint import (
     save_checkpoint,
 )
 from edgc.train.common import lr_at, model_config, param_groups, restore_rank
-from edgc.train.config import TrainConfig
+from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.launch import run_local
 from edgc.train.metrics import MetricsWriter
@@ -179,13 +179,6 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
         moments.add(block_losses(logits, batch.y)[: batch.valid])
     model.train()
     return moments.result(cfg.block_size)
-
-
-def process_group_backend(device_type: str, local_world: int, gpus: int) -> str:
-    """NCCL when this machine's `local_world` workers each have one of its `gpus` GPUs, else
-    gloo (which carries CUDA tensors too): NCCL refuses two ranks on one GPU ("Duplicate
-    GPU detected"), as when torchrun starts 2 workers on a 1-GPU machine."""
-    return "nccl" if device_type == "cuda" and 0 < local_world <= gpus else "gloo"
 
 
 def worker_device(device: str) -> torch.device:
