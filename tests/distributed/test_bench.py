@@ -13,6 +13,7 @@ from edgc.bench.netns import Cluster, NetnsUnavailable, parse_rate
 from edgc.bench.train import time_to_target
 from edgc.cli import main
 from edgc.train.launch import WorkerError
+from edgc.train.metrics import read_metrics
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -118,3 +119,12 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     # a second call reuses the finished runs
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 6
+    # more policies, two runs at a time: the finished runs are reused, the new ones trained side by side
+    cmd[cmd.index("--out"):cmd.index("--out")] = ["--policies", "cqm,spectral,schedule=0:4,3:2", "--jobs", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("already done, reused") == 6
+    text = (out / "pareto.md").read_text()
+    assert "| edgc-spectral |" in text and "| edgc-schedule |" in text
+    ranks = [r["rank"] for r in read_metrics(out / "edgc-schedule" / "metrics.jsonl") if r["kind"] == "train"]
+    assert ranks == [0, 4, 2, 2], ranks
