@@ -50,9 +50,10 @@ def _parse_value(text: str):
         return text
 
 
-def _train(args: argparse.Namespace) -> int:
-    from edgc.train.config import TrainConfig, load_config_file
-    from edgc.train.trainer import train, train_distributed
+def _given_options(args: argparse.Namespace) -> dict:
+    """The training options this command gives, from --config and the flags (flags win):
+    TrainConfig fields, with "edgc" and "dac" dicts of EDGCConfig / DACConfig fields."""
+    from edgc.train.config import load_config_file
 
     values: dict = load_config_file(args.config) if args.config else {}
     edgc_values = dict(values.pop("edgc", {}))
@@ -68,6 +69,16 @@ def _train(args: argparse.Namespace) -> int:
             dac_values[key[len("dac__"):]] = value
         else:
             values[key] = value
+    values["edgc"] = edgc_values
+    values["dac"] = dac_values
+    return values
+
+
+def _train(args: argparse.Namespace) -> int:
+    from edgc.train.config import TrainConfig
+    from edgc.train.trainer import train, train_distributed
+
+    values = _given_options(args)
     if args.resume:
         values["out"] = args.resume
         saved = Path(args.resume) / "config.json"
@@ -77,12 +88,11 @@ def _train(args: argparse.Namespace) -> int:
             base.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
             base_edgc = base.pop("edgc", {})
             base_dac = base.pop("dac", {})
+            edgc_values, dac_values = values.pop("edgc"), values.pop("dac")
             base.update(values)
             values = base
-            edgc_values = {**base_edgc, **edgc_values}
-            dac_values = {**base_dac, **dac_values}
-    values["edgc"] = edgc_values
-    values["dac"] = dac_values
+            values["edgc"] = {**base_edgc, **edgc_values}
+            values["dac"] = {**base_dac, **dac_values}
     cfg = TrainConfig.from_dict(values)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     run = train_distributed(cfg, resume=bool(args.resume)) if under_torchrun else train(cfg, resume=bool(args.resume))
