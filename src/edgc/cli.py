@@ -8,6 +8,9 @@ import json
 import logging
 import os
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 from edgc.config import EDGCConfig
@@ -22,7 +25,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                                    "gloo workers; under torchrun it joins the job (NCCL when CUDA is present).")
     p.add_argument("--config", help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, "
                                            "a [dac] table for DACConfig)")
-    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint.pt, or "
+                                                   "from a checkpoint file in it (see --keep-checkpoints), with the "
+                                                   "settings it was made with")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="resume --out's run if it has a checkpoint, else start it (for torchrun --max-restarts, "
+                        "which reruns the same command)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run files in --out of an earlier run")
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("edgc", "dac"):
             continue
@@ -61,7 +70,7 @@ def _given_options(args: argparse.Namespace) -> dict:
     for key, value in vars(args).items():
         if key.startswith(("edgc__", "dac__")):
             pass  # present only when given; None is a value ("null")
-        elif value is None or key in ("command", "config", "resume", "verbose"):
+        elif value is None or key in ("command", "config", "resume", "verbose", "auto_resume", "overwrite"):
             continue
         if key.startswith("edgc__"):
             edgc_values[key[len("edgc__"):]] = value
@@ -76,26 +85,23 @@ def _given_options(args: argparse.Namespace) -> dict:
 
 def _train(args: argparse.Namespace) -> int:
     from edgc.train.config import TrainConfig
-    from edgc.train.trainer import train, train_distributed
+    from edgc.train.trainer import CHECKPOINT_NAME, resume_config, resume_target, train, train_distributed
 
-    values = _given_options(args)
-    if args.resume:
-        values["out"] = args.resume
-        saved = Path(args.resume) / "config.json"
-        if saved.is_file():  # the run's own settings, unless overridden on this command line
-            base = json.loads(saved.read_text())
-            base.pop("world_size", None)
-            base.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
-            base_edgc = base.pop("edgc", {})
-            base_dac = base.pop("dac", {})
-            edgc_values, dac_values = values.pop("edgc"), values.pop("dac")
-            base.update(values)
-            values = base
-            values["edgc"] = {**base_edgc, **edgc_values}
-            values["dac"] = {**base_dac, **dac_values}
-    cfg = TrainConfig.from_dict(values)
+    given = _given_options(args)
+    if args.resume and args.auto_resume:
+        raise ValueError("give --resume RUN or --auto-resume (with --out), not both")
+    resume = resume_target(args.resume) if args.resume else None
+    if args.auto_resume:
+        folder = Path(given.get("out") or TrainConfig.out)
+        resume = folder / CHECKPOINT_NAME if (folder / CHECKPOINT_NAME).is_file() else None
+    if resume is not None:
+        cfg = resume_config(resume, given)
+    else:
+        cfg = TrainConfig.from_dict(given)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    run = train_distributed(cfg, resume=bool(args.resume)) if under_torchrun else train(cfg, resume=bool(args.resume))
+    start = train_distributed if under_torchrun else train
+    # (--auto-resume without a checkpoint yet: a restarted job replaces its own first attempt)
+    run = start(cfg, resume=resume, overwrite=args.overwrite or (args.auto_resume and resume is None))
     if not under_torchrun or os.environ.get("RANK") == "0":
         print(f"run folder: {run}  (summary.md, metrics.jsonl, plots, checkpoint.pt)")
         print((run / "summary.md").read_text().split("\n\n")[2])
@@ -198,6 +204,35 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"edgc {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"edgc {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line for the user; the traceback goes to a log file
+        from edgc.train.launch import WorkerError
+        from edgc.train.trainer import TrainingFailed
+
+        if isinstance(exc, (TrainingFailed, WorkerError)):  # (already one line, tracebacks logged)
+            print(f"edgc {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        log = _crash_log(args, traceback.format_exc())
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"edgc {args.command}: error: {type(exc).__name__}: {first} (traceback in {log})", file=sys.stderr)
+        return 1
+
+
+def _crash_log(args: argparse.Namespace, text: str) -> Path:
+    """Append a traceback to the run folder's errors.log (train), else to a file in the
+    temporary folder; returns its path."""
+    folder = getattr(args, "resume", None) or getattr(args, "out", None)
+    if folder and Path(folder).is_file():  # (--resume FILE)
+        folder = Path(folder).parent
+    if args.command == "train" and folder and Path(folder).is_dir():
+        path = Path(folder) / "errors.log"
+    else:
+        path = Path(tempfile.gettempdir()) / f"edgc-error-{os.getpid()}.log"
+    with open(path, "a") as f:
+        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} edgc {args.command}\n{text}\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -12,4 +12,4 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 120.0) ->
     try:
         return run_local(fn, world, *args, timeout=timeout, threads=1)
     except WorkerError as exc:
-        raise AssertionError(str(exc)) from None
+        raise AssertionError(f"{exc}\n{exc.details}") from None

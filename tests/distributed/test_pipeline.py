@@ -10,6 +10,7 @@ from edgc.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from edgc.train.config import TrainConfig
 from edgc.train.launch import run_local
 from edgc.train.metrics import read_metrics
+from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.trainer import prepare_run, train_worker
 
 
@@ -18,8 +19,9 @@ def _run(data_dir, out, nproc, resume=False, **kw):
     values = dict(data=str(data_dir), out=str(out), nproc=nproc, batch_size=4, block_size=32, eval_tokens=256,
                   progress=False, rank=8, steps=8, eval_every=4, seed=5)
     values.update(kw)
-    cfg = prepare_run(TrainConfig.from_dict(values), resume, nproc)
-    results = run_local(train_worker, nproc, cfg.to_dict(), str(data_dir), resume, timeout=300, threads=1)
+    ckpt = str(out / CHECKPOINT_NAME) if resume else None
+    cfg = prepare_run(TrainConfig.from_dict(values), ckpt, nproc)
+    results = run_local(train_worker, nproc, cfg.to_dict(), str(data_dir), ckpt, timeout=300, threads=1)
     return results, read_metrics(out / "metrics.jsonl")
 
 

@@ -1,9 +1,18 @@
-"""Checkpoints: written atomically by rank 0, holding every replica's compression state."""
+"""Checkpoints: written atomically by rank 0, holding every replica's compression state.
+
+A checkpoint is torch.save's zip archive, whose every record carries a CRC-32 of its
+bytes; `load_checkpoint` verifies them all before trusting the file, so a flipped byte
+in the tensor data is an error, not a NaN loss some steps later. `save_checkpoint(...,
+keep=K)` also keeps the last K checkpoints as `checkpoint-STEP.pt` (hard links: no extra
+disk for the newest); `checkpoint.pt` is always the newest.
+"""
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -16,15 +25,47 @@ FORMAT = "edgc-checkpoint"
 VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
 
-__all__ = ["CHECKPOINT_NAME", "check_compatible", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "check_compatible", "kept_checkpoints", "load_checkpoint", "save_checkpoint"]
+
+_KEPT = re.compile(r"checkpoint-(\d+)\.pt")
 
 
-def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write payload (plus format marker) to `path` atomically: temp file, fsync, rename."""
+def save_checkpoint(path: str | Path, payload: dict[str, Any], keep: int = 1) -> None:
+    """Write payload (plus format marker) to `path` atomically: temp file, fsync, rename.
+
+    With keep > 1, `path` is also linked as `checkpoint-STEP.pt` beside it (payload["step"])
+    and only the newest `keep` of those are kept.
+    """
+    path = Path(path)
     buf = io.BytesIO()
     torch.save({"format": FORMAT, "version": VERSION, **payload}, buf)
     with atomic_write(path) as f:
         f.write(buf.getbuffer())
+    if keep > 1:
+        kept = path.with_name(f"checkpoint-{int(payload['step']):07d}.pt")
+        tmp = kept.with_name(f".{kept.name}.link.tmp")
+        tmp.unlink(missing_ok=True)
+        os.link(path, tmp)
+        os.replace(tmp, kept)
+        for old in kept_checkpoints(path.parent)[:-keep]:
+            old.unlink()
+
+
+def kept_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run folder's `checkpoint-STEP.pt` files, oldest first."""
+    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*.pt") if (m := _KEPT.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _verify_crc(path: Path) -> None:
+    """Raise ValueError if a record of the checkpoint's zip archive fails its CRC-32."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(f"checkpoint {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
+    if bad is not None:
+        raise ValueError(f"checkpoint {str(path)!r} is corrupt: its record {bad!r} fails its checksum (CRC-32)")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -35,6 +76,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}; a run folder holds {CHECKPOINT_NAME} once "
                                 f"it has reached its first checkpoint step")
+    try:
+        _verify_crc(path)
+    except ValueError as exc:
+        older = [p.name for p in kept_checkpoints(path.parent) if not os.path.samefile(p, path)]
+        hint = (f"; older checkpoints kept beside it: {', '.join(older)} (resume from one with "
+                f"--resume {path.parent / older[-1]})") if older else "; it cannot be resumed"
+        raise ValueError(f"{exc}{hint}") from None
     try:
         data = torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:

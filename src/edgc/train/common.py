@@ -12,7 +12,59 @@ import torch
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
 
-__all__ = ["lr_at", "model_config", "param_groups", "restore_rank"]
+__all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "lr_at", "model_config", "param_groups",
+           "restore_rank"]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradients stayed non-finite for too many steps in a row."""
+
+
+def all_finite(tensors: Any) -> bool:
+    """Whether every floating-point tensor in a (nested) state dict is finite."""
+    if isinstance(tensors, torch.Tensor):
+        return not tensors.is_floating_point() or bool(torch.isfinite(tensors).all())
+    if isinstance(tensors, dict):
+        return all(all_finite(v) for v in tensors.values())
+    if isinstance(tensors, (list, tuple)):
+        return all(all_finite(v) for v in tensors)
+    return True
+
+
+class DivergenceGuard:
+    """Watches each step's loss and gradient norm (the same on every rank: both are
+    all-reduced), so that every rank stops alike when they stay non-finite for `limit`
+    steps in a row, and so that no checkpoint is written from a non-finite model.
+
+    A few non-finite steps in a row are normal with fp16 (the GradScaler skips them while
+    it lowers its scale); `limit` of them are not.
+    """
+
+    def __init__(self, limit: int, run_dir: str, checkpoint_step: int | None) -> None:
+        self.limit = limit
+        self.run_dir = run_dir
+        self.checkpoint_step = checkpoint_step  # the last finite checkpoint's step (None: none yet)
+        self.streak = 0
+        self.finite = True  # the last step's loss and gradient norm
+
+    def observe(self, step: int, loss: float, grad_norm: float) -> None:
+        """Record a step; raise TrainingDiverged after `limit` non-finite steps in a row."""
+        self.finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self.streak = 0 if self.finite else self.streak + 1
+        if self.streak >= self.limit:
+            where = (f"the last good checkpoint is {self.run_dir}/checkpoint.pt at step {self.checkpoint_step}"
+                     if self.checkpoint_step is not None else "no checkpoint was written")
+            raise TrainingDiverged(
+                f"training diverged: the loss or gradient norm was not finite for {self.streak} steps in a row "
+                f"(steps {step - self.streak + 1}-{step}; updates were skipped); {where}. Try a lower --lr")
+
+    def may_save(self, step: int, weights: Any) -> bool:
+        """Whether a checkpoint may be written now (last step finite and `weights` all
+        finite); remembers the step if so."""
+        if self.finite and all_finite(weights):
+            self.checkpoint_step = step
+            return True
+        return False
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

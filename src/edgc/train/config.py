@@ -157,6 +157,20 @@ class TrainConfig:
     """DACConfig overrides (edgc.policy.dac) for the stage ranks of "edgc" and "powersgd"
     with pp > 1."""
 
+    keep_checkpoints: int = 1
+    """Checkpoints kept: `checkpoint.pt` is always the newest; with K > 1 the newest K are
+    also kept as `checkpoint-STEP.pt`, and any of them can be resumed with --resume FILE."""
+
+    max_restarts: int = 0
+    """Local launcher: when a worker dies (killed, out of memory, a lost peer), restart the
+    job from the last checkpoint, up to this many times. Under torchrun use its own
+    --max-restarts with --auto-resume."""
+
+    max_nonfinite_steps: int = 25
+    """Stop the run when the loss or gradient norm is not finite for this many steps in a
+    row (updates are skipped meanwhile, and no checkpoint is written from a non-finite
+    model). fp16 skips a few steps in a row by design while its loss scale comes down."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
         def bad(name: str, why: str) -> None:
@@ -204,6 +218,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(name, "must be a positive integer or unset")
+        for name in ("keep_checkpoints", "max_nonfinite_steps"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
+        if type(self.max_restarts) is not int or self.max_restarts < 0:
+            bad("max_restarts", "must be an integer >= 0")
         if not isinstance(self.activation_rank, int) or self.activation_rank < 0:
             bad("activation_rank", "must be an integer >= 0")
         if self.activation_rank and self.pp == 1:

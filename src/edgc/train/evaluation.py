@@ -157,5 +157,6 @@ def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:
     """The metrics.jsonl line of one evaluation."""
     return {
         "step": step, "kind": "val", "val_loss": result.loss, "val_loss_se": result.se,
-        "val_ppl": math.exp(result.loss), "val_tokens": result.tokens, "val_time": result.seconds,
+        # (a diverged model's loss overflows exp; the writer logs inf and nan as null)
+        "val_ppl": math.exp(result.loss) if result.loss < 700 else math.inf, "val_tokens": result.tokens, "val_time": result.seconds,
     }

@@ -7,20 +7,36 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerError", "free_port", "run_local"]
+__all__ = ["WorkerError", "die_with_parent", "free_port", "report_step", "run_local"]
 
 
 class WorkerError(RuntimeError):
-    """A local worker failed, hung past its timeout, or died without reporting."""
+    """A local worker failed, hung past its timeout, or died without reporting.
+
+    str() is one line: which worker, how it ended, at which step and why. `details` holds
+    the workers' tracebacks; `rank`, `step` and `how` ("error", "signal", "exit",
+    "timeout") say what happened, and `cause` is the failing exception's type name.
+    """
+
+    def __init__(self, message: str, details: str = "", *, rank: int | None = None, step: int | None = None,
+                 how: str = "error", cause: str | None = None) -> None:
+        super().__init__(message)
+        self.details = details
+        self.rank = rank
+        self.step = step
+        self.how = how
+        self.cause = cause
 
 
 def free_port() -> int:
@@ -30,8 +46,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# this worker's slot in the launcher's shared step counters (set in each local worker)
+_step_slot: tuple[Any, int] | None = None
+
+
+def report_step(step: int) -> None:
+    """Tell the local launcher which step this worker is on (for its crash message);
+    a no-op outside run_local's workers."""
+    if _step_slot is not None:
+        _step_slot[0][_step_slot[1]] = step
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Have the kernel kill this process when its parent dies, however the parent dies
+    (Linux PR_SET_PDEATHSIG); if the parent is already gone, exit now. Workers call it so
+    that a killed launcher (local or torchrun) leaves no orphan training on, writing into
+    the run folder. Elsewhere than Linux it does nothing."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid() if parent is None else parent
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
 def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, threads: int, log_level: int,
-            backend: str, args: tuple) -> None:
+            backend: str, parent: int, steps: Any, args: tuple) -> None:
+    global _step_slot
+    die_with_parent(parent)
+    _step_slot = (steps, rank)
     import torch
     import torch.distributed as dist
 
@@ -46,52 +95,93 @@ def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, thread
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world)
-        result: tuple[str, Any] = ("ok", fn(rank, world, *args))
+        result: tuple[str, Any, str] = ("ok", fn(rank, world, *args), "")
         gc.collect()  # (see train_distributed: free reference cycles holding gloo work first)
         dist.destroy_process_group()
-    except BaseException:  # report every failure to the parent, then exit
-        result = ("error", traceback.format_exc())
+    except BaseException as exc:  # report every failure to the parent, then exit
+        result = ("error", traceback.format_exc(), f"{type(exc).__name__}: {exc}".splitlines()[0])
     tmp = os.path.join(out_dir, f"{rank}.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(result, f)
     os.replace(tmp, os.path.join(out_dir, f"{rank}.pkl"))
 
 
+_TEMP_PREFIX = "edgc-workers-"
+
+
+def _clean_stale_temp() -> None:
+    """Remove worker-result folders of launchers that were killed (`edgc-workers-PID-*`
+    whose PID no longer runs)."""
+    for folder in Path(tempfile.gettempdir()).glob(_TEMP_PREFIX + "*"):
+        parts = folder.name[len(_TEMP_PREFIX):].split("-", 1)
+        if not (folder.is_dir() and parts[0].isdigit()):
+            continue
+        try:
+            os.kill(int(parts[0]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None, threads: int | None = None,
-              backend: str = "gloo") -> list[Any]:
+              backend: str = "gloo", log_path: str | Path | None = None,
+              on_start: Callable[[list[int]], None] | None = None) -> list[Any]:
     """Run fn(rank, world, *args) on `nproc` spawned processes; returns results by rank.
 
     Workers meet over `backend` (gloo, or NCCL with one GPU each) on 127.0.0.1. `fn` must
     be importable (module level). Each worker gets `threads` intra-op threads (default:
-    the cores shared out evenly).
-    Raises WorkerError with the failing worker's traceback; on a timeout or Ctrl-C every
-    worker is killed, so nothing is left running.
+    the cores shared out evenly), and dies with this process, however it ends.
+    `on_start(pids)` is called once every worker runs.
+    Raises WorkerError naming the failing worker (its tracebacks in `details`, and
+    appended to `log_path` if given); on a failure, a timeout or Ctrl-C every worker is
+    killed, so nothing is left running.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context("spawn")
     log_level = logging.getLogger().getEffectiveLevel()  # workers log like the parent
-    with tempfile.TemporaryDirectory(prefix="edgc-workers-") as out_dir:
+    _clean_stale_temp()
+    steps = ctx.Array("q", nproc, lock=False)
+    with tempfile.TemporaryDirectory(prefix=f"{_TEMP_PREFIX}{os.getpid()}-") as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, nproc, port, out_dir, threads, log_level, backend, args), daemon=False)
+            ctx.Process(target=_worker, args=(fn, r, nproc, port, out_dir, threads, log_level, backend, os.getpid(),
+                                              steps, args), daemon=False)
             for r in range(nproc)
         ]
         try:
             for p in procs:
                 p.start()
+            if on_start is not None:
+                on_start([p.pid for p in procs])
             deadline = None if timeout is None else time.monotonic() + timeout
-            _join_all(procs, out_dir, deadline)
+            _join_all(procs, out_dir, deadline, steps)
+        except WorkerError as exc:
+            _log(log_path, exc)
+            raise
         finally:
+            stopped = {r for r, p in enumerate(procs) if p.is_alive()}  # (peers of a failed worker)
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join()
-        return _collect(procs, out_dir)
+        try:
+            return _collect(procs, out_dir, steps, stopped)
+        except WorkerError as exc:
+            _log(log_path, exc)
+            raise
 
 
-def _join_all(procs: list, out_dir: str, deadline: float | None) -> None:
+def _log(log_path: str | Path | None, exc: WorkerError) -> None:
+    if log_path is None:
+        return
+    with open(log_path, "a") as f:
+        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {exc}\n{exc.details}\n")
+
+
+def _join_all(procs: list, out_dir: str, deadline: float | None, steps: Any) -> None:
     """Wait for all workers; stop early when one reports an error (the rest may hang)."""
     while any(p.is_alive() for p in procs):
         for r, p in enumerate(procs):
@@ -106,25 +196,56 @@ def _join_all(procs: list, out_dir: str, deadline: float | None) -> None:
                     return
         if deadline is not None and time.monotonic() > deadline:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
-            raise WorkerError(f"workers {alive} did not finish in time (hang or deadlock); all were killed")
+            raise WorkerError(f"workers {alive} did not finish in time (hang or deadlock; at steps "
+                              f"{[steps[r] for r in alive]}); all were killed", how="timeout",
+                              rank=alive[0] if alive else None, step=max(steps) or None)
         time.sleep(0.05)
 
 
-def _collect(procs: list, out_dir: str) -> list[Any]:
-    results, errors = [], []
+def _collect(procs: list, out_dir: str, steps: Any, stopped: set[int]) -> list[Any]:
+    """Every worker's result by rank, or WorkerError naming the worker that failed first.
+
+    A worker that dies takes its peers down with "Connection closed by peer" errors (or
+    leaves them waiting); the root cause is a worker that died without reporting, or one
+    whose error is not a peer's connection failure; the workers in `stopped` were killed
+    here after another failed.
+    """
+    results, failures = [], []
     for r, p in enumerate(procs):
         path = os.path.join(out_dir, f"{r}.pkl")
+        at = f" at step {steps[r]}" if steps[r] else ""
         if not os.path.exists(path):
-            errors.append(f"worker {r} died without a result (exit code {p.exitcode})")
+            code = p.exitcode
+            if code is not None and code < 0:
+                how, what = "signal", f"was killed by {_signal_name(-code)}{at}"
+            else:
+                how, what = "exit", f"exited with code {code}{at} without a result"
+            failures.append((2 if r in stopped else 0, r, how, f"worker {r} {what}", None, ""))
             continue
         with open(path, "rb") as f:
-            status, value = pickle.load(f)
+            status, value, line = pickle.load(f)
         if status != "ok":
-            errors.append(f"worker {r} failed:\n{value}")
+            peer = any(s in value for s in _PEER_FAILURES)
+            failures.append((1 if peer else 0, r, "error", f"worker {r} failed{at}: {line}", line.split(":")[0], value))
         results.append(value)
-    if errors:
-        # a worker that crashed takes its peers down with "Connection closed by peer"
-        # errors; show the cause first, whichever rank it was on
-        errors.sort(key=lambda e: "Connection closed by peer" in e or "died without a result" in e)
-        raise WorkerError("\n".join(errors[:2]))
+    if failures:
+        failures.sort(key=lambda f: (f[0], f[1]))
+        _, rank, how, message, cause, _ = failures[0]
+        details = "\n".join(f"--- {m}\n{tb}" for _, _, _, m, _, tb in failures)
+        return_step = steps[rank] or None
+        raise WorkerError(message, details, rank=rank, step=return_step, how=how, cause=cause)
     return results
+
+
+# what a worker reports when a peer died under it (gloo), not a cause of its own
+_PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+                  "NCCL communicator was aborted")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

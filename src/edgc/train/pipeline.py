@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,15 @@ from edgc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from edgc.train.common import lr_at, param_groups, restore_rank
+from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
+from edgc.train.launch import report_step
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GPTStage", "split_gpt", "stage_blocks", "train_pipeline_worker"]
 
@@ -228,7 +232,7 @@ _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompr
            "compress", "loss", "p2p_bytes")
 
 
-def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
+def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
     """One rank of pipeline × data-parallel training. Rank 0 writes metrics and checkpoints."""
     cfg = TrainConfig.from_dict(cfg_dict)
     use_cuda = dist.get_backend() == "nccl"
@@ -259,7 +263,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     model_config = model_config_of(cfg, meta["vocab_size"])
     start = 0
     if resume:
-        ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
+        ckpt = load_checkpoint(resume)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=(layout.pp, layout.dp))
         start = restore_rank(ckpt, rank, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)
@@ -272,9 +276,11 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     tokens_per_step = cfg.batch_size * cfg.block_size * layout.dp
     prev = hook_state.stats()
     skipped = 0
+    guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None)
     try:
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
         for step in range(start + 1, last + 1):
+            report_step(step)
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -330,8 +336,9 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 if val is not None:
                     writer.write(val_record(step, val))
             display.update(step, record, stats, val.loss if val is not None else None)
+            guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
-                _checkpoint(cfg, step, world, rank, layout, stage_mod, opt, hook_state, gen, model_config)
+                _checkpoint(cfg, step, world, rank, layout, stage_mod, opt, hook_state, gen, model_config, guard)
     finally:
         display.close()
         if writer is not None:
@@ -416,8 +423,10 @@ def _p2p_bytes(cfg: TrainConfig, layout: _Layout, stage_mod: GPTStage, compresse
 
 
 def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Layout, stage_mod: GPTStage,
-                opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, model_config: dict) -> None:
-    """Gather every rank's state to rank 0 (stage weights from replica 0), which writes atomically."""
+                opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, model_config: dict,
+                guard: DivergenceGuard) -> None:
+    """Gather every rank's state to rank 0 (stage weights from replica 0), which writes
+    atomically unless a stage's weights are not finite (the last good checkpoint is kept)."""
     mine: dict[str, Any] = {"comm": hook_state.state_dict(), "generator": gen.get_state(),
                             "torch_rng": torch.get_rng_state()}
     if stage_mod.compressor is not None:
@@ -433,10 +442,14 @@ def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Lay
         stages = [gathered[p * layout.dp]["stage"] for p in range(layout.pp)]
         replicas = [{k: v for k, v in g.items() if k != "stage"} for g in gathered]
         _write_decisions(Path(cfg.out) / "dac.jsonl", replicas)
-        save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
-            "step": step, "world_size": world, "layout": [layout.pp, layout.dp], "train": cfg.to_dict(),
-            "model_config": model_config, "stages": stages, "replicas": replicas,
-        })
+        if guard.may_save(step, [s["model"] for s in stages]):
+            save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
+                "step": step, "world_size": world, "layout": [layout.pp, layout.dp], "train": cfg.to_dict(),
+                "model_config": model_config, "stages": stages, "replicas": replicas,
+            }, keep=cfg.keep_checkpoints)
+        else:
+            logger.warning("step %d: no checkpoint written, the model is not finite (the last good one, step %s, "
+                           "is kept)", step, guard.checkpoint_step)
     dist.barrier()
 
 

@@ -49,7 +49,8 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
         raise ValueError(f"run {name!r} has no training steps logged")
     # the first steps include one-off start-up costs; leave out 5% from the mean step time
     timed = train[len(train) // 20 :] or train
-    last_val = val[-1]["val_loss"] if val else math.nan
+    # (a diverged run logs its non-finite losses as null)
+    last_val = val[-1]["val_loss"] if val and val[-1]["val_loss"] is not None else math.nan
     last_se = val[-1].get("val_loss_se") if val else None
     return RunSummary(
         name=name, method=config.get("method", "?"), steps=train[-1]["step"],
@@ -81,6 +82,8 @@ def compare_loss(loss: float, se: float, base_loss: float, base_se: float) -> st
 
 
 def _loss_with_se(loss: float, se: float) -> str:
+    if not math.isfinite(loss):
+        return "not finite"
     return f"{loss:.4f} ± {se:.4f}" if math.isfinite(se) else f"{loss:.4f}"
 
 
@@ -100,7 +103,7 @@ def table(summaries: list[RunSummary]) -> str:
         lines.append(
             f"| {s.name} | {s.method} | {s.steps} | {_loss_with_se(s.final_val_loss, s.final_val_loss_se)} | "
             f"{versus} | {s.final_val_ppl:.2f} | "
-            f"{s.total_bytes / 1e6:.1f} | {s.total_bytes / base.total_bytes:.3f} | {s.mean_step_time * 1e3:.1f} | "
+            f"{s.total_bytes / 1e6:.1f} | {s.total_bytes / base.total_bytes if base.total_bytes else math.nan:.3f} | {s.mean_step_time * 1e3:.1f} | "
             f"{s.total_comm_time:.2f} | {s.final_rank} |"
         )
     return "\n".join(lines) + "\n"
@@ -143,7 +146,9 @@ def _layout(config: dict[str, Any]) -> str:
 def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """A sentence on the final evaluation: loss ± standard error, and what it covered."""
     val = [r for r in records if r.get("kind") == "val"]
-    if not val or val[-1].get("val_loss_se") is None:
+    if not val or val[-1].get("val_loss") is None:
+        return "No finite validation loss: the run diverged (see `skipped` and `grad_norm` in metrics.jsonl).\n\n" if val else ""
+    if val[-1].get("val_loss_se") is None:
         return ""
     last = val[-1]
     loss, se = last["val_loss"], last["val_loss_se"]

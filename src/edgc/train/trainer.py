@@ -46,17 +46,18 @@ from edgc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from edgc.train.common import lr_at, model_config, param_groups, restore_rank
+from edgc.train.common import DivergenceGuard, lr_at, model_config, param_groups, restore_rank
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
-from edgc.train.launch import run_local
+from edgc.train.launch import WorkerError, die_with_parent, report_step, run_local
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
+from edgc.train.runfolder import RunLock, check_new_run, clean_leftovers
 from edgc.train.summary import write_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["lr_at", "prepare_run", "train", "train_distributed", "train_worker", "write_meta"]
+__all__ = ["RESUME_MAY_CHANGE", "TrainingFailed", "lr_at", "prepare_run", "resume_config", "resume_target", "train", "train_distributed", "train_worker", "write_meta"]
 
 
 def ensure_data(cfg: TrainConfig) -> Path:
@@ -76,18 +77,19 @@ def ensure_data(cfg: TrainConfig) -> Path:
     return folder
 
 
-def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
+def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, overwrite: bool = False) -> TrainConfig:
     """Validate everything before any worker starts; returns the resolved config.
 
-    A new run refuses to overwrite a folder that already holds a checkpoint (no lost data);
-    a resumed run must match its checkpoint's world size, model and method.
+    `resume` is the checkpoint to continue from (None: a new run). A new run refuses a
+    folder that holds another run's files unless `overwrite`; a resumed run must match
+    its checkpoint's world size, model and method. Call it holding the folder's RunLock.
     """
     cfg.validate()
     cfg.check_layout(world_size)
     cfg = cfg.resolve()
     out = Path(cfg.out)
     if resume:
-        ckpt = load_checkpoint(out / CHECKPOINT_NAME)
+        ckpt = load_checkpoint(resume)
         data = ensure_data(cfg)
         vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
         check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method,
@@ -95,40 +97,152 @@ def prepare_run(cfg: TrainConfig, resume: bool, world_size: int) -> TrainConfig:
                          layout=(cfg.pp, world_size // cfg.pp))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
-            raise ValueError(f"checkpoint is at step {ckpt['step']}, not before step {end} "
-                             f"(--steps {cfg.steps}, --stop-after {cfg.stop_after}): nothing to resume")
-    elif (out / CHECKPOINT_NAME).exists():
-        raise ValueError(f"{str(out)!r} already holds a run; continue it with --resume {out} or choose another --out")
+            if cfg.stop_after and ckpt["step"] >= cfg.stop_after and cfg.stop_after < cfg.steps:
+                how = f"--stop-after null (or a later step than {cfg.stop_after})"
+            else:
+                how = f"a larger --steps than {cfg.steps}"
+            raise ValueError(f"checkpoint is at step {ckpt['step']}, and this run ends at step {end} "
+                             f"(--steps {cfg.steps}, --stop-after {cfg.stop_after}): nothing to resume; "
+                             f"continue it with: edgc train --resume {out} {how}")
+    else:
+        check_new_run(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": world_size}, indent=2) + "\n")
     return cfg
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> Path:
-    """Train on `cfg.nproc` local gloo workers; returns the run folder."""
+# options a resumed run may change; every other one must match its checkpoint's
+RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
+                     "max_restarts", "max_nonfinite_steps", "progress", "data", "data_cache", "device", "nproc")
+
+
+def resume_target(path: str | Path) -> Path:
+    """The checkpoint file to resume: `path` itself, or a run folder's checkpoint.pt."""
+    path = Path(path)
+    return path / CHECKPOINT_NAME if path.is_dir() or not path.suffix else path
+
+
+def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
+    """The settings to continue a run with: those its checkpoint was made with, plus the
+    `given` options (TrainConfig fields, "edgc" and "dac" dicts) that RESUME_MAY_CHANGE
+    lists. Any other given option that differs is refused with a ValueError naming it;
+    changed ones are logged."""
+    checkpoint = Path(checkpoint)
+    saved = dict(load_checkpoint(checkpoint)["train"])
+    saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
+    values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
+    refused, changed = [], []
+    for key, value in given.items():
+        if key in ("edgc", "dac"):
+            refused += [f"--{key}-{k.replace('_', '-')} {v} (the run's: {values[key].get(k)})"
+                        for k, v in value.items() if values[key].get(k) != v]
+        elif key == "out":
+            if Path(value).resolve() != checkpoint.parent.resolve():
+                refused.append(f"--out {value} (the run's folder: {checkpoint.parent})")
+        elif saved.get(key) != value:
+            flag = f"--{key.replace('_', '-')} {value} (the run's: {saved.get(key)})"
+            (changed if key in RESUME_MAY_CHANGE else refused).append(flag)
+            if key in RESUME_MAY_CHANGE:
+                values[key] = value
+    if refused:
+        raise ValueError(f"a resumed run keeps the settings of its checkpoint, and these differ: {'; '.join(refused)}. "
+                         f"On resume only these may change: {', '.join(RESUME_MAY_CHANGE)}; start a new run "
+                         f"(another --out) to change the others")
+    if changed:
+        logger.warning("resuming %s with changed options: %s", checkpoint.parent, "; ".join(changed))
+    values["out"] = str(checkpoint.parent)
+    return TrainConfig.from_dict(values)
+
+
+def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: bool = False) -> Path:
+    """Train on `cfg.nproc` local workers; returns the run folder.
+
+    `resume`: a checkpoint file, or True for the run folder's checkpoint.pt. The folder is
+    locked for the whole run. When a worker dies, the job restarts from the last
+    checkpoint up to `cfg.max_restarts` times; otherwise, or once they are spent, it
+    raises TrainingFailed with one line (which worker, how, at which step, how to resume);
+    the workers' tracebacks go to errors.log in the run folder.
+    """
     if cfg.pp > 1 and cfg.resolved_device() == "cuda" and cfg.backend(cfg.nproc) != "nccl":
         raise ValueError(f"pp > 1 on CUDA needs a GPU per worker (NCCL): {cfg.nproc} workers, "
                          f"{torch.cuda.device_count()} GPUs")
-    cfg = prepare_run(cfg, resume, cfg.nproc)
-    data = ensure_data(cfg)
-    run_local(train_worker, cfg.nproc, cfg.to_dict(), str(data), resume, backend=cfg.backend(cfg.nproc))
-    write_summary(Path(cfg.out))
-    return Path(cfg.out)
+    cfg.validate()  # (before the lock creates the folder)
+    out = Path(cfg.out)
+    ckpt = (out / CHECKPOINT_NAME) if resume is True else resume
+    with RunLock(out) as lock:
+        for leftover in clean_leftovers(out):
+            logger.warning("removed %s, left by a process killed while writing it", leftover)
+        cfg = prepare_run(cfg, ckpt, cfg.nproc, overwrite)
+        data = ensure_data(cfg)
+        restarts = 0
+        while True:
+            try:
+                run_local(train_worker, cfg.nproc, cfg.to_dict(), str(data), str(ckpt) if ckpt else None,
+                          backend=cfg.backend(cfg.nproc), log_path=out / "errors.log", on_start=lock.note)
+                break
+            except WorkerError as exc:
+                saved = _checkpoint_step(out)
+                if exc.cause == "TrainingDiverged" or restarts >= cfg.max_restarts or exc.how == "timeout":
+                    raise TrainingFailed(_failure_line(exc, out, saved)) from None
+                restarts += 1
+                logger.warning("%s; restarting from %s (restart %d of %d)", exc,
+                               f"the checkpoint at step {saved}" if saved is not None else "the start",
+                               restarts, cfg.max_restarts)
+                ckpt = out / CHECKPOINT_NAME if saved is not None else None
+                if ckpt is None:
+                    check_new_run(out, overwrite=True)  # (this job's own files, from before any checkpoint)
+                    (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": cfg.nproc},
+                                                                indent=2) + "\n")
+        write_summary(out)
+    return out
 
 
-def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
-    """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun)."""
+class TrainingFailed(RuntimeError):
+    """A training job failed; the message is one line, the tracebacks are in errors.log."""
+
+
+def _checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run folder's checkpoint.pt, or None if it has none."""
+    path = run_dir / CHECKPOINT_NAME
+    if not path.is_file():
+        return None
+    try:
+        return int(load_checkpoint(path)["step"])
+    except ValueError:
+        return None
+
+
+def _failure_line(exc: WorkerError, out: Path, saved: int | None) -> str:
+    if exc.cause == "TrainingDiverged":
+        return f"{exc} (worker tracebacks: {out / 'errors.log'})"
+    resume = (f"resume from its checkpoint (step {saved}) with: edgc train --resume {out}" if saved is not None
+              else "no checkpoint was written yet")
+    return f"{exc}; {resume} (worker tracebacks: {out / 'errors.log'})"
+
+
+def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: bool = False) -> Path:
+    """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun).
+
+    Rank 0 holds the run folder's lock. Every worker dies with the torchrun agent that
+    started it, however the agent ends.
+    """
+    die_with_parent()
     # (without a visible GPU, validation below says why --device cuda cannot run)
     device = worker_device(cfg.resolved_device()) if torch.cuda.is_available() else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     dist.init_process_group(process_group_backend(device.type, local_world, torch.cuda.device_count()))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
+    ckpt = (Path(cfg.out) / CHECKPOINT_NAME) if resume is True else resume
+    lock = RunLock(cfg.out)
     try:
-        # rank 0 validates and writes config.json; one process per machine tokenises the
-        # built-in corpus if its cache lacks it; everyone else waits for both
+        # rank 0 locks the folder, validates and writes config.json; one process per machine
+        # tokenises the built-in corpus if its cache lacks it; everyone else waits for both
         if rank == 0:
-            cfg = prepare_run(cfg, resume, world)
+            cfg.validate()
+            lock.acquire()
+            clean_leftovers(cfg.out)
+            cfg = prepare_run(cfg, ckpt, world, overwrite)
         else:
             cfg.validate()
             cfg = cfg.resolve()
@@ -136,11 +250,12 @@ def train_distributed(cfg: TrainConfig, resume: bool = False) -> Path:
             ensure_data(cfg)
         dist.barrier()
         data = ensure_data(cfg)
-        train_worker(rank, world, cfg.to_dict(), str(data), resume)
+        train_worker(rank, world, cfg.to_dict(), str(data), str(ckpt) if ckpt else None)
         if rank == 0:
             write_summary(Path(cfg.out))
         dist.barrier()  # every rank leaves together
     finally:
+        lock.release()
         # DDP, its reducer and the hook state refer to each other; collect them (and the
         # gloo work they hold) while the interpreter is alive, not at its shutdown, where a
         # worker was seen to abort ("terminate called without an active exception")
@@ -219,8 +334,9 @@ class Precision:
             self.scaler.load_state_dict(d)
 
 
-def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: bool) -> dict[str, Any]:
-    """One replica's training loop. Rank 0 writes metrics and checkpoints."""
+def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
+    """One replica's training loop from the start, or from the checkpoint file `resume`.
+    Rank 0 writes metrics and checkpoints."""
     cfg = TrainConfig.from_dict(cfg_dict)
     device = worker_device(cfg.device)
     use_cuda = device.type == "cuda"
@@ -244,7 +360,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
 
     start = 0
     if resume:
-        ckpt = load_checkpoint(Path(cfg.out) / CHECKPOINT_NAME)
+        ckpt = load_checkpoint(resume)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world))
         start = restore_rank(ckpt, rank, ckpt, model, opt, hook_state, gen)
@@ -257,10 +373,12 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
     prev = hook_state.stats()
     skipped = 0
+    guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     try:
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
         for step in range(start + 1, last + 1):
+            report_step(step)
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -311,8 +429,9 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 if val is not None:
                     writer.write(val_record(step, val))
             display.update(step, record, stats, val.loss if val is not None else None)
+            guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
-                _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision)
+                _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision, guard)
     finally:
         display.close()
         if writer is not None:
@@ -320,17 +439,21 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     return {"skipped": skipped, "stats": hook_state.stats()}
 
 
-def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision) -> None:
-    """Gather every replica's compression state to rank 0, which writes atomically."""
+def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision, guard) -> None:
+    """Gather every replica's compression state to rank 0, which writes atomically, unless
+    the model is not finite (the last good checkpoint is kept)."""
     mine = {"comm": hook_state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     # collective: gather of each replica's pickled state (error feedback, Q, RNG) to rank 0
     dist.gather_object(mine, gathered, dst=0)
-    if rank == 0:
+    if rank == 0 and not guard.may_save(step, model.state_dict()):
+        logger.warning("step %d: no checkpoint written, the model is not finite (the last good one, step %s, "
+                       "is kept)", step, guard.checkpoint_step)
+    elif rank == 0:
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),
             "model": model.state_dict(), "optimizer": opt.state_dict(), "replicas": gathered,
             "scaler": precision.state_dict(),
-        })
+        }, keep=cfg.keep_checkpoints)
     dist.barrier()
