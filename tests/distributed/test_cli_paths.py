@@ -169,3 +169,15 @@ def test_spectral_policy_through_the_cli_sets_per_group_ranks(tmp_path, data_dir
     ranks = [r["rank"] for r in train[2:]]
     assert ranks[0] == 1 and len(set(ranks)) >= 2, ranks  # starts at r_min, then follows the spectrum
     assert all(r["entropy"] is None for r in train)  # no gradient sample: the factors are the signal
+
+
+def test_torch_powersgd_resumes_exactly(tmp_path, data_dir):
+    # stopped after its first compressed step: the checkpoint holds torch's error feedback
+    # and warm-start Q, saved in DDP's rebuilt buckets, and the resumed job's first step
+    # runs in DDP's initial ones
+    common = ["--method", "torch-powersgd", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",
+              "--edgc-warmup-steps", "1"]
+    a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 3, 6)
+    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["rank"] for r in train] == [0, 0, 4, 4, 4, 4]
+    assert a == b

@@ -343,3 +343,80 @@ def evaluate_shared(rank: int, world: int, val_path: str, eval_tokens: int | Non
     cfg = TrainConfig(block_size=32, batch_size=4, eval_tokens=eval_tokens)
     result = evaluate(model, TokenFile(val_path), cfg, rank, world, torch.device("cpu"))
     return {"loss": result.loss, "se": result.se, "blocks": result.blocks}
+
+
+def torch_powersgd_resume_check(rank: int, world: int, n: int) -> dict:
+    """torch's PowerSGD hook (our wrapper) on MixedNet in float64 over several DDP buckets:
+    2n straight steps vs n steps, a checkpoint through bytes, fresh objects, n more. Also
+    each bucket's layout at every step, and the saved error feedback against torch's
+    buffers cut per parameter at the offsets DDP's bucket gave (not the wrapper's own)."""
+    from edgc.comm.baselines import TorchPowerSGDState, torch_powersgd_hook
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = MixedNet().double()
+        ddp = DDP(model, bucket_cap_mb=0.03)
+        state = TorchPowerSGDState(None, rank=4, start_iter=3, min_compression_rate=1.0, module=model)
+        seen = []
+        ids = {id(p): i for i, p in enumerate(model.parameters())}
+
+        def hook(state, bucket):
+            grads = bucket.gradients()
+            base = bucket.buffer().storage_offset()
+            seen.append((bucket.index(), [(ids[id(p)], g.storage_offset() - base, g.numel())
+                                          for p, g in zip(bucket.parameters(), grads)]))
+            return torch_powersgd_hook(state, bucket)
+
+        ddp.register_comm_hook(state, hook)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.5), seen
+
+    def steps(ddp, opt, start, count):
+        losses = []
+        for step in range(start, start + count):
+            idx, target = _batch(step, rank)
+            loss = F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def layouts(seen, count):  # the bucket layout of each of the last `count` steps
+        per_step, current = [], {}
+        for b, lay in seen:
+            if b in current:
+                per_step.append(current)
+                current = {}
+            current[b] = lay
+        per_step.append(current)
+        return per_step[-count:]
+
+    model, ddp, state, opt, seen = make(0)
+    straight = steps(ddp, opt, 0, 2 * n)
+    straight_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    model, ddp, state, opt, seen = make(0)
+    first = steps(ddp, opt, 0, n)
+    saved_layout = layouts(seen, 1)[0]
+    cut = {}
+    for b, lay in saved_layout.items():
+        for i, offset, numel in lay:
+            cut[i] = state.inner.error_dict[b][offset:offset + numel]
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "comm": state.state_dict()}, buf)
+    del model, ddp, state, opt
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    saved_error = {i: ckpt["comm"]["params"]["error"][i].reshape(-1) for i in cut}
+    model, ddp, state, opt, seen = make(123)  # different init: everything must come from the checkpoint
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["comm"])
+    second = steps(ddp, opt, n, n)
+    resumed_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {
+        "straight": straight, "resumed": first + second,
+        "straight_params": straight_params, "resumed_params": resumed_params,
+        "saved_layout": saved_layout, "resumed_layouts": layouts(seen, n),
+        "cut": cut, "saved_error": saved_error,
+    }

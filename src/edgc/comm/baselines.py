@@ -4,7 +4,8 @@
 - `TorchPowerSGDState` + `torch_powersgd_hook`: PyTorch's own powerSGD_hook, made safe for
   gloo by waiting on each bucket's future before the next bucket issues anything. Without
   the wait, replicas can issue the P and Q all-reduces of different buckets in different
-  orders and gloo deadlocks or aborts.
+  orders and gloo deadlocks or aborts. Its buffers follow the parameters when DDP
+  re-buckets them, so checkpoints resume exactly (see TorchPowerSGDState).
 
 Both keep `stats()` returning EDGCStats, so runs of every method log the same fields.
 Like edgc_hook they wait for their collectives inside the hook, so no method gets
@@ -22,6 +23,8 @@ from edgc.comm.hook import EDGCStats
 from edgc.comm.timing import LapSum, start_lap
 
 __all__ = ["AllReduceState", "TorchPowerSGDState", "allreduce_hook", "torch_powersgd_hook"]
+
+STATE_VERSION = 2  # TorchPowerSGDState: 2 saves torch's buffers per parameter (1: per DDP bucket, as torch keeps them)
 
 
 class _Counters:
@@ -101,9 +104,25 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
 
 
 class TorchPowerSGDState(_Counters):
-    """torch's PowerSGDState plus counters; bytes follow torch's own compression rule."""
+    """torch's PowerSGDState plus counters; bytes follow torch's own compression rule.
 
-    def __init__(self, process_group: dist.ProcessGroup | None, rank: int, start_iter: int, min_compression_rate: float = 2.0) -> None:
+    torch keys its error feedback (`error_dict`) and warm-start P/Q memories by DDP bucket
+    index, each a flat buffer in that bucket's parameter order. DDP rebuilds its buckets
+    after the first iteration of every job, so a checkpoint holds them in the rebuilt
+    layout while a resumed job's first step runs in the initial one: saved as-is, the error
+    feedback and Q would land on the wrong parameters. So this wrapper, told the module
+    (`module=` or `bind`), records each bucket's layout (its parameters' indices in
+    `module.parameters()`) at every hook call, saves the buffers per parameter, and
+    whenever a bucket's layout differs from the one its buffers were written in (after a
+    load, or at DDP's rebuild after a resume), splits them per parameter and re-assembles
+    them for the layout the bucket has now, before torch's hook reads them. The copies
+    are exact, so a resumed run repeats the uninterrupted one bit for bit.
+    """
+
+    _BUFFERS = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+    def __init__(self, process_group: dist.ProcessGroup | None, rank: int, start_iter: int,
+                 min_compression_rate: float = 2.0, module: torch.nn.Module | None = None) -> None:
         super().__init__(process_group)
         self.inner = _psgd.PowerSGDState(
             process_group=process_group, matrix_approximation_rank=rank,
@@ -112,6 +131,18 @@ class TorchPowerSGDState(_Counters):
         )
         self.matrix_rank = rank
         self.last_step_rank = 0  # the rank the last step was sent at (0: uncompressed)
+        self.module: torch.nn.Module | None = None
+        self._params: list[torch.nn.Parameter] = []
+        self._index: dict[int, int] = {}  # id(parameter) -> its index in module.parameters()
+        self._layouts: dict[int, tuple[int, ...]] = {}  # bucket -> layout its torch buffers are in
+        self._pending: "_PerParam | None" = None  # per-parameter state not yet in torch's buffers
+        if module is not None:
+            self.bind(module)
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """The module DDP wraps: its parameter order names parameters in checkpoints."""
+        self.module = module
+        self._params, self._index = [], {}
 
     def _step_rank(self) -> int:
         return self.last_step_rank
@@ -143,21 +174,247 @@ class TorchPowerSGDState(_Counters):
             total += g.numel() * size
         return total
 
+    # -- bucket layouts ------------------------------------------------------------------
+
+    def _read_params(self) -> None:
+        assert self.module is not None
+        self._params = list(self.module.parameters())
+        self._index = {id(q): j for j, q in enumerate(self._params)}
+
+    def _param_index(self, p: torch.Tensor) -> int:
+        i = self._index.get(id(p))
+        if i is None or self._params[i] is not p:
+            self._read_params()
+            i = self._index.get(id(p))
+            if i is None:
+                raise RuntimeError("a DDP bucket holds a parameter that is not in the module "
+                                   "TorchPowerSGDState was bound to (bind the module DDP wraps)")
+        return i
+
+    def _shapes(self, layout: tuple[int, ...]) -> list[torch.Size]:
+        if not self._params:
+            self._read_params()
+        return [self._params[i].shape for i in layout]
+
+    def _matrices(self, layout: tuple[int, ...]) -> list[tuple[int, int, int, int, int, int]]:
+        """(position in bucket, P offset, Q offset, n, m, r) of each matrix torch compresses
+        in a bucket of this layout, in torch's order (grouped by shape)."""
+        return _matrix_layout(self._shapes(layout), self.inner.matrix_approximation_rank,
+                              self.inner.min_compression_rate)
+
+    def _has_buffers(self) -> bool:
+        return any(getattr(self.inner, name) for name in self._BUFFERS)
+
+    def _split(self) -> "_PerParam":
+        """torch's per-bucket buffers, per parameter (copies); torch's are left alone."""
+        out = _PerParam()
+        inner = self.inner
+        for b, flat in inner.error_dict.items():
+            layout = self._layout_of(b)
+            offset = 0
+            for i, shape in zip(layout, self._shapes(layout)):
+                n = shape.numel()
+                out.error[i] = flat[offset:offset + n].detach().clone().view(shape)
+                offset += n
+            if offset != flat.numel():
+                raise RuntimeError(f"error feedback of bucket {b} holds {flat.numel()} values, its layout {offset}")
+        for b, pmem in inner.p_memory_dict.items():
+            layout = self._layout_of(b)
+            qmem = inner.q_memory_dict[b]
+            out.memory.update(layout)
+            ptotal = qtotal = 0
+            for k, po, qo, n, m, r in self._matrices(layout):
+                i = layout[k]
+                out.p[i] = pmem[po:po + n * r].detach().clone().view(n, r)
+                out.q[i] = qmem[qo:qo + m * r].detach().clone().view(m, r)
+                ptotal, qtotal = po + n * r, qo + m * r
+            if (ptotal, qtotal) != (pmem.numel(), qmem.numel()):
+                raise RuntimeError(f"P/Q memory of bucket {b} holds {pmem.numel()}/{qmem.numel()} values, "
+                                   f"its layout {ptotal}/{qtotal}")
+        return out
+
+    def _layout_of(self, b: int) -> tuple[int, ...]:
+        if b not in self._layouts:
+            raise RuntimeError(f"torch's PowerSGD state holds bucket {b}, whose layout was never seen "
+                               "(was the state bound to the module before DDP's first step?)")
+        return self._layouts[b]
+
+    def _assemble(self, b: int, layout: tuple[int, ...], like: torch.Tensor) -> None:
+        """Build torch's buffers of bucket `b` (now in `layout`) from the pending per-parameter state."""
+        pending = self._pending
+        assert pending is not None
+        kw = {"device": like.device, "dtype": like.dtype}
+        has = [i in pending.error for i in layout]
+        if all(has):
+            self.inner.error_dict[b] = torch.cat([pending.error.pop(i).reshape(-1) for i in layout]).to(**kw)
+        elif any(has):
+            raise RuntimeError(f"the saved error feedback covers only part of DDP bucket {b}")
+        has = [i in pending.memory for i in layout]
+        if all(has):
+            mats = self._matrices(layout)
+            ptotal = sum(n * r for _, _, _, n, _, r in mats)
+            qtotal = sum(m * r for _, _, _, _, m, r in mats)
+            pmem, qmem = torch.empty(ptotal, **kw), torch.empty(qtotal, **kw)
+            for k, po, qo, n, m, r in mats:
+                i = layout[k]
+                if i not in pending.q or i not in pending.p:
+                    raise RuntimeError(f"the saved warm-start P/Q lacks parameter {i} of DDP bucket {b}")
+                pmem[po:po + n * r] = pending.p.pop(i).reshape(-1)
+                qmem[qo:qo + m * r] = pending.q.pop(i).reshape(-1)
+            self.inner.p_memory_dict[b], self.inner.q_memory_dict[b] = pmem, qmem
+            pending.memory.difference_update(layout)
+        elif any(has):
+            raise RuntimeError(f"the saved warm-start P/Q covers only part of DDP bucket {b}")
+        if pending.empty():
+            self._pending = None
+
+    def _moved(self, b: int, layout: tuple[int, ...]) -> bool:
+        """Whether torch's buffers hold bucket `b` in another layout, or hold any of its
+        parameters in another bucket."""
+        held = set().union(*(getattr(self.inner, name).keys() for name in self._BUFFERS))
+        if b in held and self._layouts.get(b) != layout:
+            return True
+        mine = set(layout)
+        return any(not mine.isdisjoint(self._layout_of(k)) for k in held if k != b)
+
+    def before_bucket(self, bucket: dist.GradBucket) -> None:
+        """Bring torch's buffers for `bucket` into the layout it has now (the hook calls this)."""
+        if self.module is None:
+            return
+        b = bucket.index()
+        layout = tuple(self._param_index(p) for p in bucket.parameters())
+        if sum(s.numel() for s in self._shapes(layout)) != bucket.buffer().numel():
+            raise RuntimeError(f"DDP bucket {b} is not its parameters laid end to end")
+        if self._moved(b, layout):
+            # DDP moved parameters: every bucket's buffers go per parameter, to be rebuilt
+            # bucket by bucket in the new layout (those already seen this step stay exact)
+            split = self._split()
+            if self._pending is not None:
+                split.update(self._pending)
+            self._pending = split
+            for name in self._BUFFERS:
+                getattr(self.inner, name).clear()
+        if self._pending is not None:
+            self._assemble(b, layout, bucket.buffer())
+        self._layouts[b] = layout
+
+    # -- checkpoints ---------------------------------------------------------------------
+
     def state_dict(self) -> dict[str, Any]:
-        inner = {k: v for k, v in self.inner.__getstate__().items()}
-        return {"format": "torch-powersgd-state", "world_size": self.world_size, "inner": inner,
-                "last_step_rank": self.last_step_rank, **self._counters()}
+        inner = {slot: getattr(self.inner, slot) for slot in self.inner.__slots__
+                 if slot != "process_group" and slot not in self._BUFFERS}
+        if self._has_buffers() and self.module is None:
+            raise RuntimeError("TorchPowerSGDState needs the module (module= or bind) to save its compression state")
+        params = self._split()
+        if self._pending is not None:
+            params.update(self._pending)
+        return {"format": "torch-powersgd-state", "version": STATE_VERSION, "world_size": self.world_size,
+                "inner": inner, "params": params.to_dict(), "last_step_rank": self.last_step_rank,
+                **self._counters()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         _check(d, "torch-powersgd-state", self.world_size)
-        group = self.inner.process_group
-        self.inner.__setstate__(d["inner"])
-        self.inner.process_group = group
-        self._load_counters({k: v for k, v in d.items() if k not in ("format", "world_size", "inner")})
+        version = d.get("version", 1)
+        inner = dict(d["inner"])
+        if version == 1:  # per-bucket buffers in a DDP layout the checkpoint does not name
+            if any(inner.get(name) for name in self._BUFFERS):
+                raise ValueError("this torch-powersgd checkpoint was written by an older edgc that saved torch's "
+                                 "error feedback and warm-start Q per DDP bucket, in a layout a resumed job "
+                                 "does not have at its first step; it cannot be resumed exactly. Start the run "
+                                 "again (or resume from a checkpoint taken before compression started)")
+            params = _PerParam()
+        elif version == STATE_VERSION:
+            params = _PerParam.from_dict(d["params"])
+        else:
+            raise ValueError(f"torch-powersgd-state has version {version}, this edgc reads {STATE_VERSION}")
+        if not params.empty():
+            if self.module is None:
+                raise RuntimeError("TorchPowerSGDState needs the module (module= or bind) to load compression state")
+            self._check_params(params, inner.get("matrix_approximation_rank", self.inner.matrix_approximation_rank))
+        for slot, value in inner.items():
+            if slot != "process_group" and slot not in self._BUFFERS:
+                setattr(self.inner, slot, value)
+        for name in self._BUFFERS:
+            setattr(self.inner, name, {})
+        self._layouts = {}
+        self._pending = None if params.empty() else params
+        self._load_counters({k: v for k, v in d.items() if k not in ("format", "version", "world_size", "inner", "params")})
+
+    def _check_params(self, params: "_PerParam", r: int) -> None:
+        assert self.module is not None
+        shapes = [p.shape for p in self.module.parameters()]
+        outside = sorted(i for i in params.memory if not 0 <= i < len(shapes))
+        if outside:
+            raise ValueError(f"torch-powersgd-state names parameter {outside[0]}; the module has {len(shapes)}")
+        for kind, tensors in (("error feedback", params.error), ("P", params.p), ("Q", params.q)):
+            for i, t in tensors.items():
+                if not 0 <= i < len(shapes):
+                    raise ValueError(f"torch-powersgd-state holds {kind} of parameter {i}; the module has {len(shapes)}")
+                n, m = shapes[i][0], shapes[i].numel() // shapes[i][0]
+                want = {"error feedback": shapes[i], "P": (n, min(n, m, r)), "Q": (m, min(n, m, r))}[kind]
+                if tuple(t.shape) != tuple(want):
+                    raise ValueError(f"torch-powersgd-state holds {kind} of shape {tuple(t.shape)} for parameter {i}, "
+                                     f"which needs {tuple(want)}")
+
+
+class _PerParam:
+    """torch's PowerSGD buffers cut per parameter (keys: index in module.parameters()):
+    error feedback in the parameter's shape, warm-start P (n, r) and Q (m, r) of each
+    compressed matrix, and `memory`, the parameters whose bucket had P/Q memory (a bucket
+    with none to compress still has an empty one, which tells torch not to draw new Qs)."""
+
+    def __init__(self) -> None:
+        self.error: dict[int, torch.Tensor] = {}
+        self.p: dict[int, torch.Tensor] = {}
+        self.q: dict[int, torch.Tensor] = {}
+        self.memory: set[int] = set()
+
+    def empty(self) -> bool:
+        return not (self.error or self.p or self.q or self.memory)
+
+    def update(self, other: "_PerParam") -> None:
+        self.error.update(other.error)
+        self.p.update(other.p)
+        self.q.update(other.q)
+        self.memory |= other.memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": dict(self.error), "p": dict(self.p), "q": dict(self.q), "memory": sorted(self.memory)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "_PerParam":
+        out = cls()
+        out.error, out.p, out.q = dict(d["error"]), dict(d["p"]), dict(d["q"])
+        out.memory = set(d["memory"])
+        return out
+
+
+def _matrix_layout(shapes: list[torch.Size], rank: int, min_compression_rate: float
+                   ) -> list[tuple[int, int, int, int, int, int]]:
+    """Where torch's powerSGD_hook keeps the P and Q of each matrix of a bucket whose
+    gradients have these shapes: (position, P offset, Q offset, n, m, r), following its
+    code: each gradient viewed as (shape[0], -1), compressed by `_should_compress`, grouped
+    by matrix shape in order of first appearance, bucket order within a group."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for k, shape in enumerate(shapes):
+        n = shape[0]
+        m = shape.numel() // n
+        if _psgd._should_compress(n, m, min(n, m, rank), min_compression_rate)[0]:
+            groups.setdefault((n, m), []).append(k)
+    out = []
+    po = qo = 0
+    for (n, m), ks in groups.items():
+        r = min(n, m, rank)
+        for k in ks:
+            out.append((k, po, qo, n, m, r))
+            po += n * r
+            qo += m * r
+    return out
 
 
 def torch_powersgd_hook(state: TorchPowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's powerSGD_hook, waited on per bucket so gloo sees one collective order."""
+    state.before_bucket(bucket)  # (torch's buffers into this bucket's current layout)
     nbytes = state.bucket_bytes(bucket)
     is_last = bucket.is_last()
     rank_now = state._rank()  # (torch's iteration counter moves on at the last bucket)

@@ -272,7 +272,7 @@ def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
     elif cfg.method == "torch-powersgd":
         edgc_cfg = EDGCConfig(**cfg.edgc)
         state = TorchPowerSGDState(None, rank=cfg.rank, start_iter=edgc_cfg.warmup_steps + 1,
-                                   min_compression_rate=edgc_cfg.min_compression_rate)
+                                   min_compression_rate=edgc_cfg.min_compression_rate, module=ddp.module)
         ddp.register_comm_hook(state, torch_powersgd_hook)
     else:  # powersgd (static policy) or edgc
         state = EDGCState(None, EDGCConfig(**cfg.edgc))
