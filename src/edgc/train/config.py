@@ -212,6 +212,8 @@ class TrainConfig:
             )
         self.edgc_config()  # raises ValueError naming the EDGCConfig field
         self.dac_config()
+        if self.microbatches is not None and self.pp == 1:
+            bad("microbatches", "splits a pipeline's step: it needs pp > 1")
         for name in ("pp",):
             if not isinstance(self.pp, int) or self.pp < 1:
                 bad(name, "must be a positive integer")
