@@ -110,19 +110,19 @@ def _given_options(args: argparse.Namespace) -> dict:
     """The training options this command gives, from --config and the flags (flags win):
     TrainConfig fields, with "edgc" and "dac" dicts of EDGCConfig / DACConfig fields.
     A flag given as null is there as None (it unsets the option, or a resumed run's value)."""
-    from edgc.train.config import load_config_file
+    from edgc.train.config import TrainConfig, load_config_file
 
     values: dict = load_config_file(args.config, tables=("edgc", "dac")) if args.config else {}
     edgc_values = dict(values.pop("edgc", {}))
     dac_values = dict(values.pop("dac", {}))
+    fields = set(field_types(TrainConfig))
+    # (a field's flag is in `args` only when given; the rest of `args` is not an option: --resume, -v)
     for key, value in vars(args).items():
-        if key in ("command", "config", "resume", "verbose"):
-            continue  # (every other key is a flag that was given: the flags default to absent)
         if key.startswith("edgc__"):
             edgc_values[key[len("edgc__"):]] = value
         elif key.startswith("dac__"):
             dac_values[key[len("dac__"):]] = value
-        else:
+        elif key in fields:
             values[key] = value
     values["edgc"] = edgc_values
     values["dac"] = dac_values
