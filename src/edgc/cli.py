@@ -56,16 +56,16 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                                    "Each value is read by its option's type: INT (digits, no 1e3), FLOAT (finite), "
                                    "TEXT (as given), a choice, or null to unset an option that allows it.")
     p.__class__ = _OneLineErrors  # (argparse has no argument for one subcommand's parser class)
-    p.add_argument("--config", metavar="FILE", help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, "
-                                    "a [dac] table for DACConfig); the flags given here win")
+    p.add_argument("--config", metavar="FILE", help="TOML or JSON file of training options (an [edgc] table for "
+                                                    "EDGCConfig, a [dac] table for DACConfig); flags given here win")
     p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint")
     # Every option is absent from the namespace unless given, so that an explicit "null"
     # (--stop-after null) reaches the options as None and can clear a saved value.
     _add_fields(p, TrainConfig, "", "", show_defaults=True)
-    _add_fields(p.add_argument_group("EDGCConfig fields (default: scaled to the run length)"),
-                EDGCConfig, "edgc-", "edgc__", show_defaults=False)
-    _add_fields(p.add_argument_group("DACConfig fields, with --pp > 1 (edgc.policy.dac)"), DACConfig, "dac-", "dac__",
-                show_defaults=True)
+    group = p.add_argument_group("EDGCConfig fields (default: scaled to the run length)")
+    _add_fields(group, EDGCConfig, "edgc-", "edgc__", show_defaults=False)
+    group = p.add_argument_group("DACConfig fields, with --pp > 1 (edgc.policy.dac)")
+    _add_fields(group, DACConfig, "dac-", "dac__", show_defaults=True)
 
 
 def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, show_defaults: bool) -> None:
@@ -86,15 +86,15 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, show_defau
             help_text += f" (default: {shown})"
         help_text = help_text.replace("%", "%%")
         if ftype.kind is bool:
-            group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(flag, ftype),
+            group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(ftype),
                                default=argparse.SUPPRESS, metavar="true|false", help=help_text)
         else:
             metavar = "{" + ",".join(choices[name]) + "}" if name in choices else ftype.metavar
-            group.add_argument(flag, dest=dest_prefix + name, type=_typed(flag, ftype), default=argparse.SUPPRESS,
+            group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
                                metavar=metavar, help=help_text)
 
 
-def _typed(flag: str, ftype: FieldType):
+def _typed(ftype: FieldType):
     """The argparse `type` that reads a flag's text as `ftype` says; its error becomes
     argparse's "argument --flag: expected ..., got '...'"."""
     def parse(text: str):

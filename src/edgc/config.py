@@ -280,6 +280,7 @@ class FieldType:
         return None if isinstance(value, self.kind) else self.expected()
 
     def expected(self) -> str:
+        """What a value of this type is, in words: "an integer", "a finite number or null", ..."""
         return _WORDS[self.kind] + (" or null" if self.optional else "")
 
     @property

@@ -73,8 +73,8 @@ __all__ = ["EDGCState", "EDGCStats", "edgc_hook"]
 
 _FORMAT = "edgc-state"
 _VERSION = 1  # (version-1 states written before "replica" existed load without the check)
-# Keys every state_dict() of this version has, and the ones its "stats" and "controller" hold
-# (the rest, e.g. "replica" and "applied_rank", are newer and optional).
+# Keys every state_dict() of this version has, and the ones its "stats" hold (the rest,
+# e.g. "replica" and "applied_rank", came later and are optional).
 _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
                   "groups", "generator", "controller", "gate", "calibration", "stats")
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")

@@ -355,9 +355,9 @@ def load_config_file(path: str | Path, tables: tuple[str, ...] = ()) -> dict[str
         raise ValueError(f"config file {str(path)!r} is a folder, not a file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    if path.suffix not in (".toml", ".json"):
-        raise ValueError(f"config file {str(path)!r}: only TOML (.toml) and JSON (.json) config files are supported")
     kind = path.suffix[1:].upper()
+    if kind not in ("TOML", "JSON"):
+        raise ValueError(f"config file {str(path)!r}: only TOML (.toml) and JSON (.json) config files are supported")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
