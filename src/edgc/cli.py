@@ -12,8 +12,41 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
-from edgc.config import EDGCConfig
+from edgc.config import EDGCConfig, FieldType, field_docs, field_types
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """`edgc train`'s parser: a bad flag or value ends the command with one line on stderr,
+    "edgc train: error: argument --lr: expected a finite number, got 'nan'", and exit
+    status 2, without the usage text (`edgc train -h` shows that)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # (a subcommand's unknown arguments are otherwise reported by the top parser, with its usage)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+class _BoolFlag(argparse.BooleanOptionalAction):
+    """--x sets a bool field, --no-x clears it, and --x true|false (as older commands and
+    BENCHMARKS.md write it) says which."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.nargs = "?"
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string.startswith("--no-"):
+            if values is not None:
+                raise argparse.ArgumentError(self, "the --no- form takes no value")
+            values = False
+        setattr(namespace, self.dest, True if values is None else values)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -22,9 +55,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("train", help="train a GPT-2 preset with a gradient-sync method",
                        description="Train a GPT-2 preset under DDP. Without torchrun it starts --nproc local "
-                                   "gloo workers; under torchrun it joins the job (NCCL when CUDA is present).")
-    p.add_argument("--config", help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, "
-                                           "a [dac] table for DACConfig)")
+                                   "gloo workers; under torchrun it joins the job (NCCL when CUDA is present). "
+                                   "Each value is read by its option's type: INT (digits, no 1e3), FLOAT (finite), "
+                                   "TEXT (as given), a choice, or null to unset an option that allows it.")
+    p.__class__ = _OneLineErrors  # (argparse has no argument for one subcommand's parser class)
+    p.add_argument("--config", metavar="FILE", help="TOML or JSON file of training options (an [edgc] table for "
+                                                    "EDGCConfig, a [dac] table for DACConfig); flags given here win")
     p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint.pt, or "
                                                    "from a checkpoint file in it (see --keep-checkpoints), with the "
                                                    "settings it was made with")
@@ -32,51 +68,70 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="resume --out's run if it has a checkpoint, else start it (for torchrun --max-restarts, "
                         "which reruns the same command)")
     p.add_argument("--overwrite", action="store_true", help="replace the run files in --out of an earlier run")
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in ("edgc", "dac"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            p.add_argument(flag, dest=f.name, type=_parse_value, default=None)
+    # Every option is absent from the namespace unless given, so that an explicit "null"
+    # (--stop-after null) reaches the options as None and can clear a saved value.
+    _add_fields(p, TrainConfig, "", "", show_defaults=True)
     group = p.add_argument_group("EDGCConfig fields (default: scaled to the run length)")
-    for f in dataclasses.fields(EDGCConfig):
-        # (absent unless given, so that "null" can be given: --edgc-max-rank null calibrates)
-        group.add_argument("--edgc-" + f.name.replace("_", "-"), dest="edgc__" + f.name, type=_parse_value,
-                           default=argparse.SUPPRESS)
+    _add_fields(group, EDGCConfig, "edgc-", "edgc__", show_defaults=False)
     group = p.add_argument_group("DACConfig fields, with --pp > 1 (edgc.policy.dac)")
-    for f in dataclasses.fields(DACConfig):
-        group.add_argument("--dac-" + f.name.replace("_", "-"), dest="dac__" + f.name, type=_parse_value,
-                           default=argparse.SUPPRESS)
+    _add_fields(group, DACConfig, "dac-", "dac__", show_defaults=True)
 
 
-def _parse_value(text: str):
-    """Numbers, booleans and null as JSON; anything else stays a string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, show_defaults: bool) -> None:
+    """One flag --<flag_prefix><field> per field of the config dataclass `cls`, parsed by
+    the field's type (edgc.config.FieldType.parse), with its docstring (and default) as
+    help; dict fields (TrainConfig.edgc, .dac) have flags of their own and none here."""
+    choices = getattr(cls, "CHOICES", {})
+    docs = field_docs(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name, ftype in field_types(cls).items():
+        if ftype.kind is dict:
+            continue
+        flag = f"--{flag_prefix}{name.replace('_', '-')}"
+        help_text = docs.get(name, "")
+        if show_defaults:
+            default = defaults[name]
+            shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+            help_text += f" (default: {shown})"
+        help_text = help_text.replace("%", "%%")
+        if ftype.kind is bool:
+            group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(ftype),
+                               default=argparse.SUPPRESS, metavar="true|false", help=help_text)
+        else:
+            metavar = "{" + ",".join(choices[name]) + "}" if name in choices else ftype.metavar
+            group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
+                               metavar=metavar, help=help_text)
+
+
+def _typed(ftype: FieldType):
+    """The argparse `type` that reads a flag's text as `ftype` says; its error becomes
+    argparse's "argument --flag: expected ..., got '...'"."""
+    def parse(text: str):
+        try:
+            return ftype.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def _given_options(args: argparse.Namespace) -> dict:
     """The training options this command gives, from --config and the flags (flags win):
-    TrainConfig fields, with "edgc" and "dac" dicts of EDGCConfig / DACConfig fields."""
-    from edgc.train.config import load_config_file
+    TrainConfig fields, with "edgc" and "dac" dicts of EDGCConfig / DACConfig fields.
+    A flag given as null is there as None (it unsets the option, or a resumed run's value)."""
+    from edgc.train.config import TrainConfig, load_config_file
 
-    values: dict = load_config_file(args.config) if args.config else {}
+    values: dict = load_config_file(args.config, tables=("edgc", "dac")) if args.config else {}
     edgc_values = dict(values.pop("edgc", {}))
     dac_values = dict(values.pop("dac", {}))
+    fields = set(field_types(TrainConfig))
+    # (a field's flag is in `args` only when given; the rest of `args` is not an option: --resume, -v)
     for key, value in vars(args).items():
-        if key.startswith(("edgc__", "dac__")):
-            pass  # present only when given; None is a value ("null")
-        elif value is None or key in ("command", "config", "resume", "verbose", "auto_resume", "overwrite"):
-            continue
         if key.startswith("edgc__"):
             edgc_values[key[len("edgc__"):]] = value
         elif key.startswith("dac__"):
             dac_values[key[len("dac__"):]] = value
-        else:
+        elif key in fields:
             values[key] = value
     values["edgc"] = edgc_values
     values["dac"] = dac_values

@@ -3,13 +3,27 @@
 Every field is documented where it is declared. `EDGCConfig.validate()` runs in
 `__post_init__`, so an invalid value raises `ValueError` naming the field before
 any worker starts.
+
+The shared rules every config here follows live at the bottom: `field_types` reads each
+field's type from its annotation, `check_field_types` refuses a value of another type (a
+bool where an int belongs, NaN or infinity where a number belongs), and
+`FieldType.parse` reads a field's value from command-line text by the same rules.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import math
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from edgc.entropy import ESTIMATORS
 from edgc.policy.cqm import METHODS as CQM_METHODS
@@ -20,10 +34,31 @@ POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule")
 GROUP_POLICIES = ("budget", "spectral")
 WARMUP_ERROR_NORMS = ("relative", "l1")
 
+#: The largest rank any config takes (max_rank, min_rank, a run's rank): above every
+#: matrix side of the presets (the widest: GPT-2's 50257-token embedding), and small
+#: enough to catch a typo such as 10**9.
+MAX_RANK = 2**16
+#: The most histogram bins: torch.histc allocates them all on every sampled step.
+MAX_BINS = 2**20
+#: The smallest sampling rate taken (one sample per million steps or elements): below
+#: it a rate is almost surely a typo, and 1/rate stops being a usable stride.
+MIN_SAMPLE_RATE = 1e-6
+#: The most timed all-reduces per probed rank when calibrating r_max.
+MAX_CALIBRATION_REPEATS = 100
+#: Seeds lie in [0, SEED_LIMIT): torch takes them as 64-bit integers, and the trainer
+#: derives per-replica seeds from them (seed * 7919 + replica).
+SEED_LIMIT = 2**32
+
 
 @dataclass(kw_only=True)
 class EDGCConfig:
     """Hyperparameters of the EDGC compressor (see EDGC_SPEC.md)."""
+
+    #: The values each text field may take (validate checks them; the CLI lists them).
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "policy": POLICIES, "entropy_estimator": ESTIMATORS, "cqm_method": CQM_METHODS,
+        "warmup_error_norm": WARMUP_ERROR_NORMS,
+    }
 
     policy: str = "cqm"
     """How the rank is chosen: "cqm" (the paper's rule, r1 = g^-1(e^(H0-H1) g(r0))),
@@ -35,18 +70,21 @@ class EDGCConfig:
     step function of the step, `rank_schedule`; edgc.policy.schedule)."""
 
     max_rank: int | None = None
-    """Upper rank bound r_max. None: calibrate it by timing compressed against
-    uncompressed all-reduce at ranks 2, 4, 8, ... during warm-up (release behaviour)."""
+    """Upper rank bound r_max, at most MAX_RANK (65536). None: calibrate it by timing
+    compressed against uncompressed all-reduce at ranks 2, 4, 8, ... during warm-up
+    (release behaviour)."""
 
     min_rank: int | None = None
-    """Lower rank bound r_min. None: max_rank // 4 (the paper recommends r_max/4 to r_max/6)."""
+    """Lower rank bound r_min, at most max_rank. None: max_rank // 4 (the paper recommends
+    r_max/4 to r_max/6)."""
 
     rank_step: int = 4
     """s: the most the rank may move in one window, the first move included (release: 4;
-    its first move takes r_max - s when the mapped rank is further than s from r_max)."""
+    its first move takes r_max - s when the mapped rank is further than s from r_max).
+    In [1, MAX_RANK]."""
 
     rank_multiple: int = 2
-    """Ranks are rounded to a multiple of this (release: even ranks)."""
+    """Ranks are rounded to a multiple of this (release: even ranks). In [1, MAX_RANK]."""
 
     error_budget: float = 0.05
     """For policy "budget": the share of each matrix group's energy (gradient plus error
@@ -59,17 +97,20 @@ class EDGCConfig:
 
     rank_schedule: str = ""
     """For policy "schedule": knots "STEP:RANK,..." (e.g. "0:32,300:16"); from each
-    knot's step on, compressed steps use its rank. Ranks must not exceed `max_rank`."""
+    knot's step on, compressed steps use its rank. Ranks must not exceed `max_rank`.
+    Checked whatever the policy, so that a malformed schedule never passes unnoticed."""
 
     window: int = 1000
     """w: iterations per entropy window; the rank is revisited once per window (paper: 1000)."""
 
     iteration_sample_rate: float = 0.1
-    """alpha: entropy is estimated every round(1/alpha) iterations (paper: 0.1)."""
+    """alpha: entropy is estimated every round(1/alpha) iterations (paper: 0.1). In
+    [MIN_SAMPLE_RATE, 1] = [1e-6, 1]."""
 
     gradient_sample_rate: float = 0.25
     """beta: the fraction of gradient elements used for the estimate; every
-    round(1/beta)-th element of the flat gradient (paper and release: 0.25)."""
+    round(1/beta)-th element of the flat gradient (paper and release: 0.25). In
+    [MIN_SAMPLE_RATE, 1] = [1e-6, 1]."""
 
     entropy_estimator: str = "histogram"
     """"histogram" (Shannon entropy over a histogram, as released) or "gaussian"
@@ -87,7 +128,7 @@ class EDGCConfig:
     gives the release's discrete entropy, which does not move with scale."""
 
     bins: int = 1000
-    """Histogram bins (release: 1000)."""
+    """Histogram bins (release: 1000), at most MAX_BINS (2**20)."""
 
     cqm_method: str = "mp"
     """How g(r; m, n) is computed for the CQM: "mp" (Marchenko-Pastur law) or
@@ -95,7 +136,7 @@ class EDGCConfig:
 
     warmup_steps: int = 1000
     """The least number of uncompressed steps before compression may start (release:
-    10% of all iterations; torch's PowerSGD hook defaults to 1000)."""
+    10% of all iterations; torch's PowerSGD hook defaults to 1000); 0 or more."""
 
     warmup_error_check: bool = False
     """After `warmup_steps`, start compressing only at the first window end where the
@@ -112,11 +153,13 @@ class EDGCConfig:
     falls as gradients shrink, so with "l1" the check can pass later in training."""
 
     calibration_repeats: int = 3
-    """Timed compressed all-reduces per probed rank when calibrating r_max (release: ~3)."""
+    """Timed compressed all-reduces per probed rank when calibrating r_max (release: ~3),
+    at most MAX_CALIBRATION_REPEATS (100)."""
 
     min_compression_rate: float = 2.0
     """A matrix is compressed only if m*n / ((m+n)*r_max) is at least this; others, and
-    every tensor with fewer than 2 dimensions, are all-reduced uncompressed."""
+    every tensor with fewer than 2 dimensions, are all-reduced uncompressed. A finite
+    number >= 0."""
 
     use_error_feedback: bool = True
     """Carry the compression error into the next step's gradient (PowerSGD/EF-SGD)."""
@@ -125,65 +168,57 @@ class EDGCConfig:
     """Reuse Q from the previous step instead of drawing a new random Q (release: on)."""
 
     seed: int = 0
-    """Seed of the replica-identical generator that draws Q columns."""
+    """Seed of the replica-identical generator that draws Q columns, in [0, 2**32)."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ValueError naming the first invalid field and saying what it may be: its
+        type first (no bool for an int, no NaN or infinity for a number), then its range."""
         def bad(field: str, why: str) -> None:
             raise ValueError(f"EDGCConfig.{field}={getattr(self, field)!r}: {why}")
 
-        if self.policy not in POLICIES:
-            bad("policy", f"must be one of {POLICIES}")
-        if self.max_rank is not None and (not _is_int(self.max_rank) or self.max_rank < 1):
-            bad("max_rank", "must be a positive integer or None (calibrate)")
-        if self.min_rank is not None and (not _is_int(self.min_rank) or self.min_rank < 1):
-            bad("min_rank", "must be a positive integer or None (max_rank // 4)")
+        check_field_types(self, bad)
+        for name, allowed in self.CHOICES.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {allowed}")
+        if self.max_rank is not None and not 1 <= self.max_rank <= MAX_RANK:
+            bad("max_rank", f"must be an integer in [1, {MAX_RANK}] or None (calibrate)")
+        if self.min_rank is not None and not 1 <= self.min_rank <= MAX_RANK:
+            bad("min_rank", f"must be an integer in [1, {MAX_RANK}] or None (max_rank // 4)")
         if self.min_rank is not None and self.max_rank is not None and self.min_rank > self.max_rank:
             bad("min_rank", f"must not exceed max_rank={self.max_rank}")
         if self.policy in ("static", "schedule") and self.max_rank is None:
             bad("max_rank", f'the "{self.policy}" policy needs a fixed rank')
-        if self.policy == "schedule":
+        if self.policy == "schedule" or self.rank_schedule:
             try:
                 knots = parse_rank_schedule(self.rank_schedule)
             except ValueError as exc:
                 bad("rank_schedule", str(exc))
-            if _is_int(self.max_rank) and max(r for _, r in knots) > self.max_rank:
+            if self.max_rank is not None and max(r for _, r in knots) > self.max_rank:
                 bad("rank_schedule", f"ranks must not exceed max_rank={self.max_rank}")
-        for name in ("rank_step", "rank_multiple", "window", "bins", "calibration_repeats"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                bad(name, "must be a positive integer")
+        for name, most in (("rank_step", MAX_RANK), ("rank_multiple", MAX_RANK), ("bins", MAX_BINS),
+                           ("calibration_repeats", MAX_CALIBRATION_REPEATS)):
+            if not 1 <= getattr(self, name) <= most:
+                bad(name, f"must be an integer in [1, {most}]")
+        if self.window < 1:
+            bad("window", "must be a positive integer")
         for name in ("iteration_sample_rate", "gradient_sample_rate"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-                bad(name, "must be in (0, 1]")
-        if self.entropy_estimator not in ESTIMATORS:
-            bad("entropy_estimator", f"must be one of {ESTIMATORS}")
-        if isinstance(self.entropy_smoothing, bool) or not isinstance(self.entropy_smoothing, (int, float)) \
-                or not 0.0 <= self.entropy_smoothing < 1.0:
+            if not MIN_SAMPLE_RATE <= getattr(self, name) <= 1.0:
+                bad(name, f"must be in [{MIN_SAMPLE_RATE:g}, 1]")
+        if not 0.0 <= self.entropy_smoothing < 1.0:
             bad("entropy_smoothing", "must be in [0, 1)")
-        if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) \
-                or not 0.0 < self.error_budget < 1.0:
+        if not 0.0 < self.error_budget < 1.0:
             bad("error_budget", "must be in (0, 1)")
-        if isinstance(self.spectral_headroom, bool) or not isinstance(self.spectral_headroom, (int, float)) \
-                or not 1.0 <= self.spectral_headroom <= 8.0:
+        if not 1.0 <= self.spectral_headroom <= 8.0:
             bad("spectral_headroom", "must be in [1, 8]")
-        if self.warmup_error_norm not in WARMUP_ERROR_NORMS:
-            bad("warmup_error_norm", f"must be one of {WARMUP_ERROR_NORMS}")
-        if self.cqm_method not in CQM_METHODS:
-            bad("cqm_method", f"must be one of {CQM_METHODS}")
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+        if self.warmup_steps < 0:
             bad("warmup_steps", "must be a non-negative integer")
-        if not isinstance(self.min_compression_rate, (int, float)) or self.min_compression_rate < 0:
+        if self.min_compression_rate < 0:
             bad("min_compression_rate", "must be a non-negative number")
-        for name in ("differential", "warmup_error_check", "use_error_feedback", "warm_start"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "must be a bool")
-        if not _is_int(self.seed):
-            bad("seed", "must be an integer")
+        if not 0 <= self.seed < SEED_LIMIT:
+            bad("seed", "must be an integer in [0, 2**32)")
 
     def resolved_min_rank(self, max_rank: int) -> int:
         """r_min for a known r_max: the configured value, or max_rank // 4 (at least 1)."""
@@ -210,5 +245,126 @@ def reject_unknown_fields(cls: type, values: dict[str, Any], message: str) -> No
         raise ValueError(f"{message} {unknown}; known: {sorted(known)}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# ---------------------------------------------------------------- field types, shared by every config
+
+_INT_RANGE = (-(2**63), 2**63)  # what torch and numpy take as an integer
+_WORDS = {int: "an integer", float: "a finite number", str: "text", bool: "true or false", dict: "a table of options"}
+_METAVARS = {int: "INT", float: "FLOAT", str: "TEXT", bool: "BOOL", dict: "TABLE"}
+_NULLS = ("null", "none")
+_BOOLS = {"true": True, "false": False}
+_INT_TEXT = re.compile(r"[+-]?\d+(_\d+)*")
+
+
+@dataclass(frozen=True)
+class FieldType:
+    """What a config field holds, read from its annotation by `field_types`."""
+
+    kind: type
+    """int, float, str, bool, or dict (a table of another config's options, as TrainConfig.edgc)."""
+
+    optional: bool = False
+    """None is a value too (`int | None`): "null" on the command line, meaning unset."""
+
+    def mismatch(self, value: Any) -> str | None:
+        """None when `value` is of this type, else what it must be, in words ("an integer
+        or null"). An int field takes no bool (True is an int in Python) and nothing
+        outside 64 bits; a float field takes ints too, but not NaN or infinity."""
+        if value is None:
+            return None if self.optional else self.expected()
+        if self.kind is not bool and isinstance(value, bool):
+            return f"{self.expected()}, not true or false"
+        if self.kind is int and isinstance(value, int) and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+            return f"an integer in [-2**63, 2**63){' or null' if self.optional else ''}"
+        if self.kind is float and isinstance(value, (int, float)):
+            return None if math.isfinite(value) else self.expected()
+        return None if isinstance(value, self.kind) else self.expected()
+
+    def expected(self) -> str:
+        """What a value of this type is, in words: "an integer", "a finite number or null", ..."""
+        return _WORDS[self.kind] + (" or null" if self.optional else "")
+
+    @property
+    def metavar(self) -> str:
+        """INT, FLOAT, TEXT or BOOL, with "|null" when optional (for the CLI's help)."""
+        return _METAVARS[self.kind] + ("|null" if self.optional else "")
+
+    def parse(self, text: str) -> Any:
+        """The value that command-line `text` gives this field; raises ValueError
+        "expected <what>, got '<text>'".
+
+        - "null" or "none" (any case) is None where the field is optional;
+        - an int field takes decimal digits with an optional sign, "_" allowed between
+          digits as in Python and TOML ("524_288"); not "3.0", "1e3" or "true";
+        - a float field takes what float() takes ("3e-4", "2"), but not NaN or infinity,
+          nor what overflows to it ("1e400");
+        - a bool field takes "true" or "false" (any case);
+        - a text field takes the text as it is ("2024" stays the text "2024").
+        """
+        if self.optional and text.strip().lower() in _NULLS:
+            return None
+        if self.kind is str:
+            return text
+        if self.kind is bool:
+            value = _BOOLS.get(text.strip().lower())
+        elif self.kind is int:
+            value = None
+            if _INT_TEXT.fullmatch(text.strip()):
+                # (more than 20 digits cannot fit in 64 bits, and int() refuses past 4300)
+                value = int(text) if sum(c.isdigit() for c in text) <= 20 else _INT_RANGE[1]
+        elif self.kind is float:
+            try:
+                value = float(text)
+            except ValueError:
+                value = None
+        else:
+            raise ValueError(f"{self.expected()} cannot be given as text")
+        wanted = self.expected() if value is None else self.mismatch(value)
+        if wanted is not None:
+            raise ValueError(f"expected {wanted}, got {text!r}")
+        return value
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, FieldType]:
+    """The FieldType of each field of the dataclass `cls`, from its annotations (strings
+    under `from __future__ import annotations`, so resolved by typing.get_type_hints).
+    Raises TypeError for an annotation other than int, float, str, bool, dict[...], or
+    one of them `| None`, so that a new kind of field cannot slip past the checks."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, FieldType] = {}
+    for f in dataclasses.fields(cls):
+        hint, optional = hints[f.name], False
+        if typing.get_origin(hint) in (types.UnionType, typing.Union):
+            rest = [a for a in typing.get_args(hint) if a is not type(None)]
+            hint, optional = (rest[0] if len(rest) == 1 else hint), len(rest) < len(typing.get_args(hint))
+        kind = typing.get_origin(hint) or hint
+        if kind not in _WORDS:
+            raise TypeError(f"{cls.__name__}.{f.name}: no rule for a field of type {hints[f.name]}")
+        out[f.name] = FieldType(kind, optional)
+    return out
+
+
+def check_field_types(config: Any, bad: Callable[[str, str], Any]) -> None:
+    """Call `bad(name, "must be <what>")`, which should raise, for the first field of the
+    dataclass instance `config` whose value is not of its declared type (FieldType.mismatch)."""
+    for name, ftype in field_types(type(config)).items():
+        wanted = ftype.mismatch(getattr(config, name))
+        if wanted is not None:
+            bad(name, f"must be {wanted}")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of the dataclass `cls`, its whitespace folded to
+    single spaces (for the CLI's help); {} when the class's source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

@@ -73,6 +73,11 @@ __all__ = ["EDGCState", "EDGCStats", "edgc_hook"]
 
 _FORMAT = "edgc-state"
 _VERSION = 1  # (version-1 states written before "replica" existed load without the check)
+# Keys every state_dict() of this version has, and the ones its "stats" hold (the rest,
+# e.g. "replica" and "applied_rank", came later and are optional).
+_REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
+                  "groups", "generator", "controller", "gate", "calibration", "stats")
+_REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
 _HALF = (torch.float16, torch.bfloat16)
 
 # Layout of the per-step control vector (float64, all-reduced with SUM).
@@ -417,6 +422,7 @@ class EDGCState:
             raise ValueError(f"EDGC state version {d.get('version')} is not supported (expected {_VERSION})")
         if self.step != 0:
             raise ValueError("load_state_dict must be called before the first training step")
+        _check_state_keys(d)
         identity = (int(d["world_size"]), None if d.get("replica") is None else int(d["replica"]), strict_replica)
         if self._bound is not None or self._identity() is not None:
             self._check_identity(*identity)
@@ -976,6 +982,20 @@ def _scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view(t.shape))
         offset += n
+
+
+def _check_state_keys(d: dict[str, Any]) -> None:
+    """Raise ValueError naming what a state dict of this version lacks (a truncated or
+    hand-made state) before load_state_dict changes anything."""
+    missing = [k for k in _REQUIRED_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"EDGC state dict lacks {missing} (expected every key that state_dict() writes)")
+    not_dicts = [k for k in ("config", "controller", "gate", "calibration", "stats") if not isinstance(d[k], dict)]
+    if not_dicts:
+        raise ValueError(f"EDGC state dict: {not_dicts} must be dicts, as state_dict() writes them")
+    missing = [k for k in _REQUIRED_STATS if k not in d["stats"]]
+    if missing:
+        raise ValueError(f"EDGC state dict: 'stats' lacks {missing}")
 
 
 def _first_difference(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> str:

@@ -19,9 +19,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from edgc.config import reject_unknown_fields
+from edgc.config import MAX_RANK, check_field_types, reject_unknown_fields
 
 __all__ = ["DACConfig", "TimeModel", "dac_ranks", "rank_for_budget", "smallest_rank", "stage_rank"]
 
@@ -237,6 +237,11 @@ SLACKS = ("t_mb", "measured")
 class DACConfig:
     """How pipeline stages choose their ranks (`edgc train --pp P`, `--dac-FIELD`)."""
 
+    #: The values each text field may take (validate checks them; the CLI lists them).
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "stage_ranks": STAGE_RANKS, "slack": SLACKS, "time_model": TIME_MODELS,
+    }
+
     stage_ranks: str = "dac"
     """"dac": stage p runs T⁻¹(p·t_mb + T₀), aligned with stage 0; "uniform": every stage
     runs stage 0's entropy-driven rank r₀ (the comparison the DAC is measured against)."""
@@ -253,45 +258,47 @@ class DACConfig:
     """T(r) fitted online to this run's measured sync times: "linear" or "interp"."""
 
     eta: float | None = None
-    """Seconds per unit of rank, given instead of measured (with `intercept`): T = eta·r + c."""
+    """Seconds per unit of rank, given instead of measured (with `intercept`): T = eta·r + c.
+    A finite number >= 0."""
 
     intercept: float = 0.0
-    """c of the given model; used only with `eta`."""
+    """c of the given model; used only with `eta`. A finite number (it may be negative)."""
 
     t_mb: float | None = None
-    """Backward seconds per micro-batch, given instead of measured."""
+    """Backward seconds per micro-batch, given instead of measured; a finite number >= 0."""
 
     t_uncompressed: float | None = None
-    """Seconds of one uncompressed sync, given instead of measured."""
+    """Seconds of one uncompressed sync, given instead of measured; a finite number >= 0."""
 
     multiple: int = 4
-    """Stage ranks after stage 0 are rounded up to a multiple of this (release: 4)."""
+    """Stage ranks after stage 0 are rounded up to a multiple of this (release: 4); in
+    [1, MAX_RANK]."""
 
     cap_at_r_max: bool = False
     """Run r_max instead of uncompressed when T⁻¹(T_p) > r_max but T_p is below the
     uncompressed time (a variant; the paper's rule goes uncompressed)."""
 
     max_samples: int = 200
-    """Timing samples kept for the fit (the most recent)."""
+    """Timing samples kept for the fit (the most recent); a positive integer."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        if self.stage_ranks not in STAGE_RANKS:
-            raise ValueError(f"dac stage_ranks={self.stage_ranks!r}: must be one of {STAGE_RANKS}")
-        if self.slack not in SLACKS:
-            raise ValueError(f"dac slack={self.slack!r}: must be one of {SLACKS}")
-        if self.time_model not in TIME_MODELS:
-            raise ValueError(f"dac time_model={self.time_model!r}: must be one of {TIME_MODELS}")
+        """Raise ValueError naming the first invalid field and saying what it may be: its
+        type first (no bool for an int, no NaN or infinity for a number), then its range."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"dac {name}={getattr(self, name)!r}: {why}")
+
+        check_field_types(self, bad)
+        for name, allowed in self.CHOICES.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {allowed}")
         for name in ("eta", "t_mb", "t_uncompressed"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"dac {name}={v!r}: must be a finite number >= 0, or unset to measure it")
-        if not (isinstance(self.intercept, (int, float)) and math.isfinite(self.intercept)):
-            raise ValueError(f"dac intercept={self.intercept!r}: must be a finite number")
-        for name in ("multiple", "max_samples"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"dac {name}={v!r}: must be a positive integer")
+            if v is not None and v < 0:
+                bad(name, "must be a finite number >= 0, or null (unset) to measure it")
+        if not 1 <= self.multiple <= MAX_RANK:
+            bad("multiple", f"must be an integer in [1, {MAX_RANK}]")
+        if self.max_samples < 1:
+            bad("max_samples", "must be a positive integer")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,11 +7,11 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from edgc.config import GROUP_POLICIES, EDGCConfig, reject_unknown_fields
+from edgc.config import GROUP_POLICIES, MAX_RANK, SEED_LIMIT, EDGCConfig, check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 
@@ -19,6 +19,9 @@ METHODS = ("none", "powersgd", "torch-powersgd", "edgc")
 SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
+TOKENIZERS = ("bpe", "gpt2")
+#: The largest DDP bucket taken, in MB (1 TiB): DDP holds the size as a 64-bit byte count.
+MAX_BUCKET_MB = 2.0**20
 
 
 def process_group_backend(device_type: str, local_world: int, gpus: int) -> str:
@@ -31,6 +34,12 @@ def process_group_backend(device_type: str, local_world: int, gpus: int) -> str:
 @dataclass(kw_only=True)
 class TrainConfig:
     """One training run. Fields left at None are derived from the run length (`resolve`)."""
+
+    #: The values each text field may take (validate checks them; the CLI lists them).
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "preset": tuple(PRESETS), "method": METHODS, "device": DEVICES, "dtype": DTYPES,
+        "tokenizer": TOKENIZERS, "schedule": SCHEDULES,
+    }
 
     preset: str = "tiny"
     """Model preset (edgc.models.PRESETS)."""
@@ -77,10 +86,11 @@ class TrainConfig:
     """Linear learning-rate warm-up; None: 5% of steps (paper: 1% of a much longer run)."""
 
     weight_decay: float = 0.01
-    """AdamW weight decay (paper: 0.01)."""
+    """AdamW weight decay (paper: 0.01); a finite number >= 0."""
 
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this (paper: 1.0); 0 disables clipping."""
+    """Clip the global gradient norm to this (paper: 1.0); 0 disables clipping. A finite
+    number >= 0."""
 
     eval_every: int | None = None
     """Validation every N steps (and at the end); None: steps // 6."""
@@ -95,7 +105,7 @@ class TrainConfig:
     """Checkpoint every N steps (and at the end); None: steps // 3."""
 
     seed: int = 1337
-    """Seed of the model init and of every worker's batch sampler."""
+    """Seed of the model init and of every worker's batch sampler, in [0, 2**32)."""
 
     data: str | None = None
     """A folder made by `edgc prepare` (train.bin, val.bin, meta.json); None: the built-in
@@ -113,17 +123,17 @@ class TrainConfig:
     large enough; see edgc.data.corpus.BUILTIN_VAL_FRACTION)."""
 
     data_cache: str = "runs/.data"
-    """Where the built-in corpus is tokenised to, once."""
+    """Where the built-in corpus is tokenised to, once (a folder, or a path where one can be made)."""
 
     out: str = "runs/edgc"
-    """The run folder."""
+    """The run folder: a folder, or a path where one can be made (not a file, nor under one)."""
 
     rank: int = 32
     """r_max for "edgc", and the fixed rank of "powersgd" and "torch-powersgd" (release
-    default: 32)."""
+    default: 32), at most MAX_RANK (65536)."""
 
     bucket_cap_mb: float = 25.0
-    """DDP bucket size."""
+    """DDP bucket size in MB, in (0, 2**20]."""
 
     progress: bool = True
     """Show a live progress bar on rank 0."""
@@ -151,7 +161,8 @@ class TrainConfig:
 
     activation_rank: int = 0
     """With pp > 1: send the activation gradients between stages as rank-r factors with
-    error feedback (beyond the EDGC release, as Optimus-CC does); 0 sends them whole."""
+    error feedback (beyond the EDGC release, as Optimus-CC does); 0 sends them whole.
+    At most MAX_RANK (65536)."""
 
     dac: dict[str, Any] = field(default_factory=dict)
     """DACConfig overrides (edgc.policy.dac) for the stage ranks of "edgc" and "powersgd"
@@ -172,36 +183,42 @@ class TrainConfig:
     model). fp16 skips a few steps in a row by design while its loss scale comes down."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
-
-        if self.preset not in PRESETS:
-            bad("preset", f"must be one of {sorted(PRESETS)}")
-        if self.method not in METHODS:
-            bad("method", f"must be one of {METHODS}")
+        """Raise ValueError naming the first invalid field and saying what it may be: its
+        type first (no bool for an int, no NaN or infinity for a number, a table for
+        `edgc` and `dac`), then its range, then the layout. Checks paths but writes nothing."""
+        bad = self._refuse
+        check_field_types(self, bad)
+        for name, allowed in self.CHOICES.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {allowed}")
         for name in ("nproc", "steps", "batch_size", "grad_accum", "rank", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        for name in ("block_size", "lr_warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "corpus_bytes",
-                     "stop_after"):
+        for name in ("block_size", "eval_every", "eval_tokens", "checkpoint_every", "corpus_bytes", "stop_after"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (0 if name == "lr_warmup_steps" else 1)):
-                bad(name, "must be a positive integer or unset")
+            if value is not None and value < 1:
+                bad(name, "must be a positive integer or null (unset)")
+        if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:
+            bad("lr_warmup_steps", "must be an integer >= 0 or null (unset)")
+        for name in ("rank", "activation_rank"):
+            if getattr(self, name) > MAX_RANK:
+                bad(name, f"must be at most {MAX_RANK}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            bad("seed", "must be an integer in [0, 2**32)")
         if not self.lr > 0:
             bad("lr", "must be positive")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             bad("min_lr", f"must be in [0, lr={self.lr}]")
-        if self.grad_clip < 0:
-            bad("grad_clip", "must be >= 0")
-        if self.device not in DEVICES:
-            bad("device", f"must be one of {DEVICES}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        if not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB:
+            bad("bucket_cap_mb", f"must be in (0, {MAX_BUCKET_MB:.0f}] (MB)")
+        _check_folder_path("out", self.out)
+        if self.data is None:
+            _check_folder_path("data_cache", self.data_cache)
         if self.device == "cuda" and not torch.cuda.is_available():
             bad("device", "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
-        if self.dtype not in DTYPES:
-            bad("dtype", f"must be one of {DTYPES}")
-        if self.tokenizer not in ("bpe", "gpt2"):
-            bad("tokenizer", 'must be "bpe" or "gpt2"')
         if self.data is not None and not (Path(self.data) / "meta.json").is_file():
             raise ValueError(
                 f"data={self.data!r}: no prepared data there (expected meta.json, train.bin, val.bin); "
@@ -209,8 +226,8 @@ class TrainConfig:
             )
         self.edgc_config()  # raises ValueError naming the EDGCConfig field
         self.dac_config()
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"must be one of {SCHEDULES}")
+        if self.microbatches is not None and self.pp == 1:
+            bad("microbatches", "splits a pipeline's step: it needs pp > 1")
         for name in ("pp",):
             if not isinstance(self.pp, int) or self.pp < 1:
                 bad(name, "must be a positive integer")
@@ -315,20 +332,76 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Build from a mapping (a config file, the CLI, a saved config.json); raises
+        ValueError naming an unknown key or a value of the wrong type (validate() checks
+        the rest), so that nothing downstream meets text where a number belongs."""
         reject_unknown_fields(cls, values, "unknown training option(s)")
-        return cls(**values)
+        cfg = cls(**values)
+        check_field_types(cfg, cfg._refuse)
+        return cfg
+
+    def _refuse(self, name: str, why: str) -> None:
+        """Raise ValueError "<name>=<value>: <why>" about field `name`."""
+        raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
+def _check_folder_path(name: str, path: str) -> None:
+    """Raise ValueError unless the folder `path` (field `name`) exists or could be made:
+    it must not be empty, nor a file, nor lie under a file."""
+    if not path:
+        raise ValueError(f"{name}={path!r}: must name a folder")
+    here = Path(path)
+    try:
+        existing = next((p for p in (here, *here.parents) if p.exists()), None)  # "." or "/" at the latest
+    except (OSError, ValueError) as exc:  # (a name too long, a NUL byte)
+        raise ValueError(f"{name}={path!r}: not a usable folder path ({exc})") from None
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == here else f"lies under {str(existing)!r}, which is a file"
+        raise ValueError(f"{name}={path!r}: {where}, not a folder")
+
+
+def load_config_file(path: str | Path, tables: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read a TOML or JSON config file into a dict (keys as TrainConfig fields, and an
-    [edgc] table / "edgc" object for EDGCConfig fields)."""
+    [edgc] table / "edgc" object for EDGCConfig fields). Each key in `tables` that the
+    file has must hold a table (e.g. ("edgc", "dac") for training options).
+
+    Raises FileNotFoundError for a missing file and ValueError, naming the file, for a
+    folder, a name ending in neither .toml nor .json, unreadable or non-UTF-8 bytes, a
+    syntax error, or content that is not a table. Changes nothing.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a folder, not a file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    kind = path.suffix[1:].upper()
+    if kind not in ("TOML", "JSON"):
+        raise ValueError(f"config file {str(path)!r}: only TOML (.toml) and JSON (.json) config files are supported")
     try:
-        if path.suffix == ".toml":
-            return tomllib.loads(text)
-        return json.loads(text)
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        values = tomllib.loads(text) if kind == "TOML" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {exc}") from None
+        raise ValueError(f"config file {str(path)!r} is not valid {kind}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a table of options (keys and values), "
+                         f"not a {_json_kind(values)}")
+    for key in tables:
+        if key in values and not isinstance(values[key], dict):
+            table = f"an [{key}] table" if kind == "TOML" else f'a "{key}" object'
+            raise ValueError(f"config file {str(path)!r}: {key} must be {table} of options, "
+                             f"not the {_json_kind(values[key])} {values[key]!r}")
+    return values
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON name of a parsed value's type ("list", "number", "text", ...)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {list: "list", str: "text", type(None): "null"}.get(type(value), type(value).__name__)

@@ -168,6 +168,8 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
                          f"{torch.cuda.device_count()} GPUs")
     cfg.validate()  # (before the lock creates the folder)
     out = Path(cfg.out)
+    if not resume and not overwrite:
+        check_new_run(out, overwrite=False)  # (refused without touching the folder; again under the lock)
     ckpt = (out / CHECKPOINT_NAME) if resume is True else resume
     with RunLock(out) as lock:
         for leftover in clean_leftovers(out):

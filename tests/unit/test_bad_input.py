@@ -1,0 +1,308 @@
+"""Bad input to `edgc train`: one line on stderr naming the flag or field, exit status 2,
+no traceback, and nothing written. The bad values are generated for every flag of the
+train parser from its field's type, so a new flag is covered without touching this file."""
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edgc import EDGCConfig, EDGCState
+from edgc.cli import _given_options, build_parser, main
+from edgc.config import field_types
+from edgc.policy.dac import DACConfig
+from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.config import TrainConfig, load_config_file
+
+# Each field kind's bad values; "{file}" is an existing file, "{file}/sub" a path under it.
+BAD_INT = ["nan", "inf", "-inf", "-1", "0", "abc", "true", "[]", "3.5", "1e3", "1e400", str(10**12), str(2**63),
+           "1" + "0" * 5000, ""]
+BAD_FLOAT = ["nan", "NaN", "inf", "-inf", "-1", "0", "abc", "true", "[]", "1e-3x", "1e400", "1e12", ""]
+BAD_CHOICE = ["abc", "", "nan", "null", "[]"]
+BAD_TEXT = ["", "{file}", "{file}/sub"]
+BAD_BOOL = ["maybe", "2", "nan", "null", ""]
+
+# (flag, value) pairs from the bad sets above that are valid for that flag. Each is still
+# checked: no traceback, at most one line, and exit 0 or 2 (here 2, "already holds a run",
+# since --out names an existing run).
+ALLOWED = {
+    # zero is meaningful: no warm-up, no activation compression, no clipping or decay, seed 0,
+    # raw entropy means, a learning-rate floor of 0, no compression-rate threshold
+    *[(f, "0") for f in ("--lr-warmup-steps", "--activation-rank", "--seed", "--edgc-seed", "--edgc-warmup-steps",
+                         "--max-restarts")],
+    *[(f, "0") for f in ("--grad-clip", "--weight-decay", "--min-lr", "--edgc-entropy-smoothing",
+                         "--edgc-min-compression-rate", "--dac-eta", "--dac-intercept", "--dac-t-mb",
+                         "--dac-t-uncompressed")],
+    ("--dac-intercept", "-1"),  # T = eta·r + c: a negative offset is a fitted value like any other
+    # large counts and sizes are the user's call: a long run, rare evaluations and
+    # checkpoints, a large cap (memory and time are theirs, as with any trainer)
+    *[(f, str(10**12)) for f in ("--steps", "--stop-after", "--lr-warmup-steps", "--eval-every", "--eval-tokens",
+                                 "--checkpoint-every", "--corpus-bytes", "--edgc-window", "--edgc-warmup-steps",
+                                 "--dac-max-samples", "--nproc", "--batch-size", "--grad-accum", "--block-size",
+                                 "--vocab-size", "--keep-checkpoints", "--max-restarts", "--max-nonfinite-steps")],
+    # a huge but finite float: a learning rate or decay that diverges, clipping that never
+    # clips, a threshold no matrix meets, given timings
+    *[(f, "1e12") for f in ("--lr", "--weight-decay", "--grad-clip", "--edgc-min-compression-rate", "--dac-eta",
+                            "--dac-intercept", "--dac-t-mb", "--dac-t-uncompressed")],
+    ("--edgc-rank-schedule", ""),  # no schedule: the default, for every policy but "schedule"
+}
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def _field_of(dest: str):
+    """(config class, field name) behind a train flag's dest."""
+    for prefix, cls in (("edgc__", EDGCConfig), ("dac__", DACConfig), ("", TrainConfig)):
+        if dest.startswith(prefix):
+            return cls, dest[len(prefix):]
+
+
+# (the flags that are no config field: what to do with the run folder, not how to train)
+FLAGS = [a for a in _train_parser()._actions
+         if a.option_strings and a.dest not in ("help", "config", "resume", "auto_resume", "overwrite")]
+
+
+def _bad_values(cls, name: str) -> list[str]:
+    ftype = field_types(cls)[name]
+    if ftype.kind is bool:
+        return BAD_BOOL
+    if name in getattr(cls, "CHOICES", {}):
+        return BAD_CHOICE
+    return {int: BAD_INT, float: BAD_FLOAT, str: BAD_TEXT}[ftype.kind]
+
+
+def _hashes(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A working directory holding a run (so a valid command stops at "already holds a run")
+    and a plain file; training is made impossible, so a test bug cannot start workers."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"steps": 2}))
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (run / CHECKPOINT_NAME).write_bytes(b"not really a checkpoint")
+    (tmp_path / "afile").write_text("a file, not a folder")
+    monkeypatch.chdir(tmp_path)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("bad input reached the workers")
+
+    monkeypatch.setattr("edgc.train.trainer.run_local", no_training)
+    return tmp_path
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    """main(argv)'s exit status and its stderr (argparse's errors exit via SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    return code, captured.err
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("edgc train: error: "), err
+    return lines[0]
+
+
+def test_every_flag_is_a_config_field():
+    # a flag that is not a field would get no bad values below: cover it here first
+    assert len(FLAGS) > 60
+    for action in FLAGS:
+        cls, name = _field_of(action.dest)
+        assert name in field_types(cls), action.option_strings
+
+
+@pytest.mark.parametrize("action", FLAGS, ids=lambda a: a.option_strings[0])
+def test_bad_values_of_every_flag_end_in_one_line(action, workdir, capsys):
+    flag = action.option_strings[0]
+    cls, name = _field_of(action.dest)
+    before = {p.name for p in workdir.iterdir()}, _hashes(workdir / "run")
+    values = [v.replace("{file}", str(workdir / "afile")) for v in _bad_values(cls, name)]
+    for value in values:
+        code, err = _run(["train", "--out", "run", f"{flag}={value}"], capsys)
+        if (flag, value) in ALLOWED:
+            assert code in (0, 2) and len(err.strip().splitlines()) <= 1, (flag, value, err)
+            continue
+        line = _one_line(err)
+        assert code == 2, (flag, value, err)
+        assert "already holds a run" not in line, f"{flag}={value!r} was accepted"
+        assert flag in line or f"{name}=" in line or f"{name}(" in line, (flag, value, line)  # ("pp(2) * dp(1)")
+    if field_types(cls)[name].kind is bool:  # the --no- form takes no value
+        code, err = _run(["train", "--out", "run", f"{action.option_strings[1]}=true"], capsys)
+        assert code == 2 and "takes no value" in _one_line(err)
+    assert ({p.name for p in workdir.iterdir()}, _hashes(workdir / "run")) == before
+
+
+def test_allowed_pairs_name_real_flags_and_listed_values():
+    # (keeps the allow-list honest: an entry for a renamed flag or value would excuse nothing)
+    flags = {a.option_strings[0]: a for a in FLAGS}
+    for flag, value in ALLOWED:
+        assert flag in flags, flag
+        cls, name = _field_of(flags[flag].dest)
+        assert value in _bad_values(cls, name), (flag, value)
+
+
+def test_valid_values_still_reach_the_run_check(workdir, capsys):
+    # the control: a valid command is refused only because --out holds a run
+    code, err = _run(["train", "--out", "run", "--lr", "3e-4", "--steps", "524_288", "--edgc-bins", "1048576",
+                      "--edgc-iteration-sample-rate", "1e-6", "--edgc-max-rank", "65536", "--rank", "65536",
+                      "--edgc-warm-start", "false", "--no-progress", "--dac-eta", "null"], capsys)
+    assert code == 2 and "already holds a run" in _one_line(err)
+
+
+# ---------------------------------------------------------------- typed values reach the options
+
+
+def _options(*argv: str) -> dict:
+    return _given_options(build_parser().parse_args(["train", *argv]))
+
+
+def test_flags_are_parsed_by_their_field_type():
+    o = _options("--out", "2024", "--steps", "3", "--lr", "1e-3", "--bucket-cap-mb", "2", "--eval-tokens", "524_288",
+                 "--edgc-max-rank", "8", "--edgc-rank-schedule", "0:8", "--dac-intercept", "-0.5")
+    assert o["out"] == "2024" and o["steps"] == 3 and o["eval_tokens"] == 524_288
+    assert type(o["lr"]) is float and o["lr"] == 1e-3 and type(o["bucket_cap_mb"]) is float
+    assert o["edgc"] == {"max_rank": 8, "rank_schedule": "0:8"} and o["dac"] == {"intercept": -0.5}
+    assert TrainConfig.from_dict(o).out == "2024"
+
+
+def test_only_given_flags_are_options_and_null_is_given_as_none():
+    assert _options() == {"edgc": {}, "dac": {}}
+    o = _options("--stop-after", "null", "--corpus-bytes", "None", "--edgc-max-rank", "null", "--dac-eta", "none")
+    assert o == {"stop_after": None, "corpus_bytes": None, "edgc": {"max_rank": None}, "dac": {"eta": None}}
+
+
+def test_bool_flags():
+    assert _options("--no-progress", "--sync-after-send")["progress"] is False
+    assert _options("--sync-after-send")["sync_after_send"] is True
+    assert _options("--edgc-warmup-error-check", "true")["edgc"] == {"warmup_error_check": True}  # (BENCHMARKS.md)
+    assert _options("--dac-cap-at-r-max", "FALSE")["dac"] == {"cap_at_r_max": False}
+    assert _options("--no-edgc-warm-start")["edgc"] == {"warm_start": False}
+
+
+def test_null_is_refused_where_the_field_takes_no_none(capsys):
+    code, err = _run(["train", "--steps", "null"], capsys)
+    assert code == 2 and _one_line(err) == "edgc train: error: argument --steps: expected an integer, got 'null'"
+
+
+def test_unknown_flag_is_one_line(capsys):
+    code, err = _run(["train", "--lr", "1e-3", "--learning-rate", "3"], capsys)
+    assert code == 2 and _one_line(err) == "edgc train: error: unrecognized arguments: --learning-rate 3"
+
+
+# ---------------------------------------------------------------- --out
+
+
+def test_out_must_be_a_folder_or_makeable(workdir, capsys):
+    code, err = _run(["train", "--out", "afile"], capsys)
+    assert code == 2 and _one_line(err) == "edgc train: error: out='afile': is a file, not a folder"
+    code, err = _run(["train", "--out", "afile/run"], capsys)
+    assert code == 2 and "lies under 'afile', which is a file" in _one_line(err)
+    with pytest.raises(ValueError, match="data_cache='afile/x': lies under"):
+        TrainConfig(data_cache="afile/x").validate()
+    TrainConfig(out="new/deeper/run").validate()  # a folder that can be made is fine (and is not made)
+    assert not (workdir / "new").exists()
+
+
+# ---------------------------------------------------------------- config files
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("list.json", "[1, 2]", "must hold a table of options (keys and values), not a list"),
+    ("broken.json", '{"steps": 3,}', "is not valid JSON: "),
+    ("edgc.toml", "edgc = 5", "edgc must be an [edgc] table of options, not the number 5"),
+    ("dac.json", '{"dac": [1]}', 'dac must be a "dac" object of options, not the list [1]'),
+    ("run.yaml", "steps: 3", "only TOML (.toml) and JSON (.json) config files are supported"),
+    ("broken.toml", "steps = ", "is not valid TOML: "),
+    ("latin1.toml", b"out = \"caf\xe9\"", "is not UTF-8 text (invalid continuation byte at byte 10)"),
+])
+def test_config_file_errors_name_the_file(name, content, message, workdir, capsys):
+    path = workdir / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, err = _run(["train", "--config", name, "--out", "run"], capsys)
+    line = _one_line(err)
+    assert code == 2 and f"config file '{name}'" in line and message in line, line
+
+
+def test_config_file_that_is_a_folder_or_missing(workdir, capsys):
+    code, err = _run(["train", "--config", "run"], capsys)
+    assert code == 2 and _one_line(err) == "edgc train: error: config file 'run' is a folder, not a file"
+    code, err = _run(["train", "--config", "nothere.toml"], capsys)
+    assert code == 2 and "does not exist" in _one_line(err)
+
+
+@pytest.mark.parametrize("toml,message", [
+    ("steps = true", "steps=True: must be an integer, not true or false"),
+    ('lr = "abc"', "lr='abc': must be a finite number"),
+    ("lr = nan", "lr=nan: must be a finite number"),
+    ("out = 2024", "out=2024: must be text"),
+    ("stop_after = 1.5", "stop_after=1.5: must be an integer or null"),
+    ("[edgc]\nbins = 1e3", "EDGCConfig.bins=1000.0: must be an integer"),
+    ("[edgc]\nmin_compression_rate = inf", "EDGCConfig.min_compression_rate=inf: must be a finite number"),
+    ("[dac]\ncap_at_r_max = 1", "dac cap_at_r_max=1: must be true or false"),
+    ("[dac]\nmultiple = true", "dac multiple=True: must be an integer, not true or false"),
+])
+def test_config_file_values_are_checked_by_type(toml, message, workdir, capsys):
+    (workdir / "run.toml").write_text(toml)
+    out = [] if toml.startswith("out") else ["--out", "run"]  # (a flag would win over the file)
+    code, err = _run(["train", "--config", "run.toml", *out], capsys)
+    assert code == 2 and message in _one_line(err)
+
+
+def test_config_file_reads_tables(workdir):
+    (workdir / "ok.toml").write_text('steps = 3\nlr = 1\n[edgc]\nwindow = 5\n[dac]\neta = 0.5\n')
+    assert load_config_file("ok.toml", tables=("edgc", "dac")) == {
+        "steps": 3, "lr": 1, "edgc": {"window": 5}, "dac": {"eta": 0.5}}
+    TrainConfig.from_dict(load_config_file("ok.toml")).validate()  # an int is a number where a float belongs
+
+
+# ---------------------------------------------------------------- the door users use
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "nan"], "edgc train: error: argument --lr: expected a finite number, got 'nan'"),
+    (["--steps", "true"], "edgc train: error: argument --steps: expected an integer, got 'true'"),
+    (["--config", "list.json"], "edgc train: error: config file 'list.json' must hold a table of options"),
+    (["--out", "afile/run"], "edgc train: error: out='afile/run': lies under 'afile', which is a file"),
+])
+def test_python_m_edgc_train_gives_one_line(args, message, workdir):
+    (workdir / "list.json").write_text("[1, 2]")
+    proc = subprocess.run([sys.executable, "-m", "edgc", "train", *args], cwd=workdir, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+# ---------------------------------------------------------------- a state dict that lacks keys
+
+
+def test_load_state_dict_names_the_missing_keys():
+    state = EDGCState(None, EDGCConfig(max_rank=4))
+    d = state.state_dict()
+    with pytest.raises(ValueError, match=r"lacks \['world_size', 'config', .*'stats'\]"):
+        state.load_state_dict({"format": d["format"], "version": d["version"]})
+    for key in ("world_size", "generator", "stats"):
+        with pytest.raises(ValueError, match=f"lacks \\['{key}'\\]"):
+            state.load_state_dict({k: v for k, v in d.items() if k != key})
+    with pytest.raises(ValueError, match=r"'stats' lacks \['comm_seconds'\]"):
+        state.load_state_dict({**d, "stats": {k: v for k, v in d["stats"].items() if k != "comm_seconds"}})
+    with pytest.raises(ValueError, match=r"\['config'\] must be dicts"):
+        state.load_state_dict({**d, "config": 5})
+    assert state.step == 0 and state.state_dict().keys() == d.keys()  # nothing was changed by the refusals
+    state.load_state_dict(d)  # the whole state still loads
+
