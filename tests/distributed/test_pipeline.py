@@ -10,7 +10,6 @@ from edgc.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from edgc.train.config import TrainConfig
 from edgc.train.launch import run_local
 from edgc.train.metrics import read_metrics
-from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.trainer import prepare_run, train_worker
 
 

@@ -215,3 +215,28 @@ def test_new_run_refuses_a_folder_with_metrics_unless_overwrite(tmp_path, data_d
     assert main(_args(data_dir, run, "--steps", "2", "--method", "none", "--overwrite")) == 0
     assert _last_step(run) == 2 and (run / "notes.txt").read_text() == "mine"
     assert not (run / ".checkpoint.pt.x1y2.tmp").exists() and not stale.exists()
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_with_auto_resume_and_ends_as_an_uninterrupted_run(tmp_path, data_dir):
+    from edgc.train.launch import free_port
+
+    common = ["--steps", "24", "--checkpoint-every", "6", "--eval-every", "12", "--method", "powersgd",
+              "--edgc-warmup-steps", "3"]
+    assert main(_args(data_dir, tmp_path / "straight", *common)) == 0
+    run = tmp_path / "restarted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--master-port", str(free_port()), "-m", "edgc", *_args(data_dir, run, *common, "--auto-resume")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: _last_step(run) >= 9, what="the run to pass step 9")
+        rank0 = int((run / LOCK_NAME).read_text().split()[1].rstrip(","))  # "pid N, since ..."
+        os.kill(rank0, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert _final_val(run) == _final_val(tmp_path / "straight")
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, 25))

@@ -131,3 +131,24 @@ def test_edgc_report_marks_differences_within_and_beyond_the_standard_error(tmp_
     assert "| 5.0060 ± 0.0050 | +0.12% (within SE) |" in rows["b"]
     assert "| 4.9500 ± 0.0050 | -1.00% (beyond SE) |" in rows["c"]
     assert "within SE" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_a_diverged_run_is_logged_summarised_and_reported(tmp_path, capsys):
+    # a loss of 1000 nats (--lr 100) overflows exp(); the writer logs inf and nan as null
+    from edgc.train.evaluation import EvalResult, val_record
+    from edgc.train.metrics import MetricsWriter, read_metrics
+    from edgc.train.summary import write_summary
+
+    record = val_record(5, EvalResult(loss=1000.0, se=1.0, blocks=4, tokens=128, seconds=0.1))
+    assert record["val_ppl"] == math.inf
+    _fake_run(tmp_path / "ok", 5.0, 0.005)
+    _fake_run(tmp_path / "nan", 5.0, 0.005)
+    writer = MetricsWriter(tmp_path / "nan" / "metrics.jsonl", resume_step=2)
+    writer.write(val_record(2, EvalResult(loss=math.nan, se=math.nan, blocks=4, tokens=128, seconds=0.1)))
+    writer.close()
+    assert read_metrics(tmp_path / "nan" / "metrics.jsonl")[-1]["val_loss"] is None
+    text = write_summary(tmp_path / "nan").read_text()
+    assert "not finite" in text and "diverged" in text
+    assert main(["report", str(tmp_path / "ok"), str(tmp_path / "nan"), "--out", str(tmp_path / "rep")]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert "| not finite | — |" in rows["nan"]

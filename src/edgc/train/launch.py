@@ -57,23 +57,24 @@ def report_step(step: int) -> None:
         _step_slot[0][_step_slot[1]] = step
 
 
-def die_with_parent(parent: int | None = None) -> None:
-    """Have the kernel kill this process when its parent dies, however the parent dies
-    (Linux PR_SET_PDEATHSIG); if the parent is already gone, exit now. Workers call it so
-    that a killed launcher (local or torchrun) leaves no orphan training on, writing into
-    the run folder. Elsewhere than Linux it does nothing."""
-    import ctypes
-    import signal
-    import sys
+def die_with_parent(parent: int | None = None, interval: float = 0.5) -> None:
+    """End this process soon after its parent dies, however the parent dies: a daemon
+    thread checks every `interval` seconds whether this process was handed to another
+    parent (init or a subreaper), and then exits at once. Workers call it so that a
+    killed launcher (local or torchrun) leaves no orphan training on, writing into the run
+    folder. (The kernel's PR_SET_PDEATHSIG would be quicker, but it fires when the parent
+    *thread* that started the process ends, so a launcher that starts its workers from a
+    short-lived thread would kill them early.)"""
+    import threading
 
-    if not sys.platform.startswith("linux"):
-        return
     parent = os.getppid() if parent is None else parent
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the line above
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
         os._exit(1)
+
+    threading.Thread(target=watch, name="edgc-die-with-parent", daemon=True).start()
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, threads: int, log_level: int,

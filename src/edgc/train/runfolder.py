@@ -41,7 +41,7 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
 
-    def acquire(self) -> RunLock:
+    def acquire(self, note: bool = True) -> RunLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -53,8 +53,17 @@ class RunLock:
                                 f"({holder or 'pid unknown'}); wait for it to end or stop it, or choose "
                                 f"another --out (two writers would corrupt its metrics and checkpoint)") from None
         self._fd = fd
-        self.note()
+        if note:
+            self.note()
         return self
+
+    @classmethod
+    def check_free(cls, folder: str | Path) -> None:
+        """Raise RunFolderBusy if another process holds the folder's lock; creates nothing."""
+        lock = cls(folder)
+        if lock.path.is_file():
+            lock.acquire(note=False)
+            lock.release()
 
     def note(self, workers: list[int] | None = None) -> None:
         """Record who holds the lock: this pid, its start time, and its workers' pids."""

@@ -167,9 +167,11 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
         raise ValueError(f"pp > 1 on CUDA needs a GPU per worker (NCCL): {cfg.nproc} workers, "
                          f"{torch.cuda.device_count()} GPUs")
     cfg.validate()  # (before the lock creates the folder)
+    cfg.check_layout(cfg.nproc)
     out = Path(cfg.out)
+    RunLock.check_free(out)  # (these two refuse without touching the folder; again under the lock)
     if not resume and not overwrite:
-        check_new_run(out, overwrite=False)  # (refused without touching the folder; again under the lock)
+        check_new_run(out, overwrite=False)
     ckpt = (out / CHECKPOINT_NAME) if resume is True else resume
     with RunLock(out) as lock:
         for leftover in clean_leftovers(out):
@@ -184,19 +186,21 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
                 break
             except WorkerError as exc:
                 saved = _checkpoint_step(out)
-                if exc.cause == "TrainingDiverged" or restarts >= cfg.max_restarts or exc.how == "timeout":
+                if exc.cause in _NOT_RESTARTED or exc.how == "timeout" or restarts >= cfg.max_restarts:
                     raise TrainingFailed(_failure_line(exc, out, saved)) from None
                 restarts += 1
                 logger.warning("%s; restarting from %s (restart %d of %d)", exc,
                                f"the checkpoint at step {saved}" if saved is not None else "the start",
                                restarts, cfg.max_restarts)
+                # (from the start, the metrics writer starts metrics.jsonl afresh)
                 ckpt = out / CHECKPOINT_NAME if saved is not None else None
-                if ckpt is None:
-                    check_new_run(out, overwrite=True)  # (this job's own files, from before any checkpoint)
-                    (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": cfg.nproc},
-                                                                indent=2) + "\n")
+                clean_leftovers(out)
         write_summary(out)
     return out
+
+
+# failures a restart cannot mend: the run's own settings or data, or its divergence
+_NOT_RESTARTED = ("TrainingDiverged", "ValueError", "FileNotFoundError", "KeyError", "TypeError", "AssertionError")
 
 
 class TrainingFailed(RuntimeError):
@@ -232,8 +236,13 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
     # (without a visible GPU, validation below says why --device cuda cannot run)
     device = worker_device(cfg.resolved_device()) if torch.cuda.is_available() else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    dist.init_process_group(process_group_backend(device.type, local_world, torch.cuda.device_count()))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # torchrun's store outlives a restart, and a restarted gloo group was seen to read the
+    # dead attempt's addresses from it ("Gloo connectFullMesh failed", torch 2.13): key this
+    # attempt's group by torchrun's restart count
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(process_group_backend(device.type, local_world, torch.cuda.device_count()),
+                            store=dist.PrefixStore(f"edgc/attempt-{attempt}", store), rank=rank, world_size=world)
     cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
     ckpt = (Path(cfg.out) / CHECKPOINT_NAME) if resume is True else resume
     lock = RunLock(cfg.out)

@@ -1,0 +1,70 @@
+"""The run folder's guards and the checkpoint files: lock, overwrite, leftovers, kept
+checkpoints, CRC checks."""
+
+import os
+
+import pytest
+import torch
+
+from edgc.train.checkpoint import kept_checkpoints, load_checkpoint, save_checkpoint
+from edgc.train.runfolder import LOCK_NAME, RunFolderBusy, RunLock, check_new_run, clean_leftovers
+
+
+def test_a_second_lock_on_a_folder_is_refused_until_the_first_is_released(tmp_path):
+    run = tmp_path / "run"
+    with RunLock(run) as first:
+        first.note([11, 12])
+        assert "workers 11 12" in (run / LOCK_NAME).read_text()
+        with pytest.raises(RunFolderBusy, match=f"pid {os.getpid()}"):
+            RunLock(run).acquire()
+        with pytest.raises(RunFolderBusy):
+            RunLock.check_free(run)
+    RunLock.check_free(run)
+    with RunLock(run):
+        pass
+
+
+def test_check_free_creates_nothing(tmp_path):
+    RunLock.check_free(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_overwrite_removes_only_run_files(tmp_path):
+    for name in ("metrics.jsonl", "checkpoint.pt", "checkpoint-0000010.pt", "loss.png", "notes.txt", "data.png"):
+        (tmp_path / name).write_text("x")
+    with pytest.raises(ValueError, match="--resume .*--overwrite"):
+        check_new_run(tmp_path, overwrite=False)
+    check_new_run(tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.png", "notes.txt"]
+    check_new_run(tmp_path, overwrite=False)  # nothing left to refuse
+
+
+def test_leftovers_of_killed_writes_are_removed(tmp_path):
+    (tmp_path / ".checkpoint.pt.abc123.tmp").write_bytes(b"torn")
+    (tmp_path / "keep.tmp").write_bytes(b"a user's")
+    assert [p.name for p in clean_leftovers(tmp_path)] == [".checkpoint.pt.abc123.tmp"]
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.tmp"]
+
+
+def test_the_newest_checkpoints_are_kept_and_checkpoint_pt_is_the_newest(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    for step in (5, 10, 15, 20):
+        save_checkpoint(path, {"step": step, "w": torch.full((3,), float(step))}, keep=3)
+    assert [p.name for p in kept_checkpoints(tmp_path)] == [f"checkpoint-{s:07d}.pt" for s in (10, 15, 20)]
+    assert os.path.samefile(path, tmp_path / "checkpoint-0000020.pt")
+    assert load_checkpoint(tmp_path / "checkpoint-0000010.pt")["step"] == 10
+    save_checkpoint(path, {"step": 25}, keep=1)  # keep=1: checkpoint.pt alone is written
+    assert len(kept_checkpoints(tmp_path)) == 3 and load_checkpoint(tmp_path)["step"] == 25
+
+
+def test_a_flipped_byte_fails_the_crc_and_the_error_names_older_checkpoints(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    for step in (1, 2):
+        save_checkpoint(path, {"step": step, "w": torch.randn(10_000)}, keep=2)
+    data = bytearray(path.read_bytes())
+    os.unlink(path)  # (a fresh inode: the kept link of step 2 keeps its good bytes)
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="fails its checksum.*checkpoint-0000002.pt"):
+        load_checkpoint(path)
+    assert load_checkpoint(tmp_path / "checkpoint-0000002.pt")["step"] == 2
