@@ -180,9 +180,6 @@ class EDGCConfig:
             raise ValueError(f"EDGCConfig.{field}={getattr(self, field)!r}: {why}")
 
         check_field_types(self, bad)
-        for name, allowed in self.CHOICES.items():
-            if getattr(self, name) not in allowed:
-                bad(name, f"must be one of {allowed}")
         if self.max_rank is not None and not 1 <= self.max_rank <= MAX_RANK:
             bad("max_rank", f"must be an integer in [1, {MAX_RANK}] or None (calibrate)")
         if self.min_rank is not None and not 1 <= self.min_rank <= MAX_RANK:
@@ -346,11 +343,15 @@ def field_types(cls: type) -> dict[str, FieldType]:
 
 def check_field_types(config: Any, bad: Callable[[str, str], Any]) -> None:
     """Call `bad(name, "must be <what>")`, which should raise, for the first field of the
-    dataclass instance `config` whose value is not of its declared type (FieldType.mismatch)."""
+    dataclass instance `config` whose value is not of its declared type (FieldType.mismatch),
+    then for the first whose value is not among its class's CHOICES for it."""
     for name, ftype in field_types(type(config)).items():
         wanted = ftype.mismatch(getattr(config, name))
         if wanted is not None:
             bad(name, f"must be {wanted}")
+    for name, allowed in getattr(config, "CHOICES", {}).items():
+        if getattr(config, name) not in allowed:
+            bad(name, f"must be one of {allowed}")
 
 
 @functools.cache

@@ -288,9 +288,6 @@ class DACConfig:
             raise ValueError(f"dac {name}={getattr(self, name)!r}: {why}")
 
         check_field_types(self, bad)
-        for name, allowed in self.CHOICES.items():
-            if getattr(self, name) not in allowed:
-                bad(name, f"must be one of {allowed}")
         for name in ("eta", "t_mb", "t_uncompressed"):
             v = getattr(self, name)
             if v is not None and v < 0:

@@ -188,9 +188,6 @@ class TrainConfig:
         `edgc` and `dac`), then its range, then the layout. Checks paths but writes nothing."""
         bad = self._refuse
         check_field_types(self, bad)
-        for name, allowed in self.CHOICES.items():
-            if getattr(self, name) not in allowed:
-                bad(name, f"must be one of {allowed}")
         for name in ("nproc", "steps", "batch_size", "grad_accum", "rank", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
