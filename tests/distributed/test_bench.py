@@ -128,3 +128,18 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     assert "| edgc-spectral |" in text and "| edgc-schedule |" in text
     ranks = [r["rank"] for r in read_metrics(out / "edgc-schedule" / "metrics.jsonl") if r["kind"] == "train"]
     assert ranks == [0, 4, 2, 2], ranks
+    # leaving runs out: their rows go, the others are reused
+    cmd[cmd.index("--out"):cmd.index("--out")] = ["--skip", "powersgd-r1,torch-powersgd-r4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("already done, reused") == 6
+    text = (out / "pareto.md").read_text()
+    assert "| powersgd-r1 |" not in text and "| torch-powersgd-r4 |" not in text and "| powersgd-r2 |" in text
+
+
+@pytest.mark.parametrize("skip, message", [("powersgd-r4", "the target"), ("powersgd-r3", "no runs named")])
+def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
+    proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",
+                           "--skip", skip, "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "p").exists()

@@ -175,6 +175,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="cqm",
                    help="dynamic policies, separated by ';' or ',' (EDGCConfig.policy); a rank schedule as "
                         "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\")")
+    p.add_argument("--skip", default="",
+                   help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
+                        "static r_max, the target, cannot be left out")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at once (loopback only): bytes and loss are unchanged, but the runs share "
                         "the machine, so wall times are not comparable; 1 for the time plot")
@@ -194,6 +197,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
     runs = sweep(args.rank, split_policies(args.policies))
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
+    unknown = skip - {name for name, *_ in runs}
+    if unknown or f"powersgd-r{args.rank}" in skip:
+        raise ValueError(f"--skip {args.skip}: " + (f"no runs named {sorted(unknown)} in this sweep "
+                         f"({', '.join(name for name, *_ in runs)})" if unknown else
+                         f"powersgd-r{args.rank} is the target every run is measured against"))
+    runs = [r for r in runs if r[0] not in skip]
     if args.bandwidth is not None:
         try:
             Cluster.check()
