@@ -45,6 +45,18 @@ def _wait_for(predicate, timeout=120.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _kill_mid_run(proc, run, step, victim, timeout):
+    """Once `run` passes `step`, SIGKILL the pid `victim(run)` returns; wait for `proc` to
+    end and return its stderr (whatever happens, nothing of `proc` is left running)."""
+    try:
+        _wait_for(lambda: _last_step(run) >= step, what=f"the run to pass step {step}")
+        os.kill(victim(run), signal.SIGKILL)
+        return proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _workers(run):
     """The worker pids the lock file names (empty until the workers run)."""
     text = (run / LOCK_NAME).read_text() if (run / LOCK_NAME).exists() else ""
@@ -116,13 +128,7 @@ def test_kill_one_worker_then_the_job_restarts_and_ends_as_an_uninterrupted_run(
     assert main(_args(data_dir, tmp_path / "straight", *common)) == 0
     run = tmp_path / "restarted"
     proc = _start(*_args(data_dir, run, *common, "--max-restarts", "1", "--keep-checkpoints", "3"), cwd=tmp_path)
-    try:
-        _wait_for(lambda: _last_step(run) >= 9, what="the run to pass step 9")
-        os.kill(_workers(run)[1], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = _kill_mid_run(proc, run, 9, lambda run: _workers(run)[1], timeout=300)
     assert proc.returncode == 0, stderr
     assert "worker 1 was killed by SIGKILL" in stderr and "restarting from the checkpoint at step" in stderr
     assert _final_val(run) == _final_val(tmp_path / "straight")
@@ -140,13 +146,7 @@ def test_a_dead_worker_gives_one_line_naming_it_and_how_to_resume(tmp_path, data
     run = tmp_path / "run"
     proc = _start(*_args(data_dir, run, "--steps", "5000", "--checkpoint-every", "4", "--method", "none"),
                   cwd=tmp_path)
-    try:
-        _wait_for(lambda: _last_step(run) >= 5, what="the run to pass step 5")
-        os.kill(_workers(run)[1], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = _kill_mid_run(proc, run, 5, lambda run: _workers(run)[1], timeout=120)
     assert proc.returncode == 1
     line = _one_line(stderr)
     assert "worker 1 was killed by SIGKILL at step" in line
@@ -229,14 +229,9 @@ def test_torchrun_restarts_with_auto_resume_and_ends_as_an_uninterrupted_run(tmp
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
          "--master-port", str(free_port()), "-m", "edgc", *_args(data_dir, run, *common, "--auto-resume")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _wait_for(lambda: _last_step(run) >= 9, what="the run to pass step 9")
-        rank0 = int((run / LOCK_NAME).read_text().split()[1].rstrip(","))  # "pid N, since ..."
-        os.kill(rank0, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # (under torchrun the lock holder is rank 0: "pid N, since ...")
+    stderr = _kill_mid_run(proc, run, 9, lambda run: int((run / LOCK_NAME).read_text().split()[1].rstrip(",")),
+                           timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert _final_val(run) == _final_val(tmp_path / "straight")
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, 25))

@@ -11,13 +11,6 @@ from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.buckets import FlatBucket
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_state_requires_config_type():
     with pytest.raises(TypeError, match="EDGCConfig"):
         EDGCState(None, {"policy": "cqm"})

@@ -6,7 +6,6 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from edgc.comm.baselines import TorchPowerSGDState, torch_powersgd_hook
 from edgc.comm.buckets import FlatBucket
@@ -16,13 +15,6 @@ from edgc.comm.buckets import FlatBucket
 SHAPES = [(8, 6), (8, 6), (5,), (6, 8), (8, 6), (4, 3, 2), (7,)]
 SAVED = [[0, 1, 2], [3, 4, 5, 6]]  # the layout the buffers are saved in
 OTHER = [[6, 2, 0], [5], [4, 3, 1]]  # another bucket count and order, as DDP may choose
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _module():
