@@ -42,6 +42,7 @@ from edgc.comm.baselines import (
 from edgc.comm.buckets import FlatBucket
 from edgc.config import EDGCConfig
 from edgc.models import PRESETS, build_model
+from edgc.train.launch import end_process_group
 
 __all__ = ["add_parser", "ring_allreduce_seconds", "run"]
 
@@ -96,6 +97,13 @@ def _make(name: str, k: int | None, args: argparse.Namespace):
 def worker(args: argparse.Namespace) -> None:
     """One replica: time every method's sync; rank 0 writes the results as JSON."""
     dist.init_process_group("gloo")
+    rows = _measure(args)
+    if dist.get_rank() == 0:
+        Path(args.worker_out).write_text(json.dumps(rows))
+    end_process_group()  # the states and their gloo work are out of scope by now
+
+
+def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     shapes = [p.shape for p in build_model(args.preset, vocab_size=args.vocab, device="meta").parameters()]
@@ -129,9 +137,7 @@ def worker(args: argparse.Namespace) -> None:
             "compress_s": (stats.compress_seconds - stats_before.compress_seconds) / args.steps,
             "entropy_s": (stats.entropy_seconds - stats_before.entropy_seconds) / args.steps,
         })
-    if rank == 0:
-        Path(args.worker_out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def format_table(rows: list[dict[str, Any]], world: int, bits_per_second: float | None) -> str:

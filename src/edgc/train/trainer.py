@@ -15,7 +15,6 @@ parameters and gradients, and for fp16 a GradScaler whose scale the EDGC state i
 from __future__ import annotations
 
 import contextlib
-import gc
 import dataclasses
 import json
 import logging
@@ -49,7 +48,7 @@ from edgc.train.checkpoint import (
 from edgc.train.common import DivergenceGuard, lr_at, model_config, param_groups, restore_rank
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
-from edgc.train.launch import WorkerError, die_with_parent, report_step, run_local
+from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
 from edgc.train.runfolder import RunLock, check_new_run, clean_leftovers
@@ -267,11 +266,7 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
         dist.barrier()  # every rank leaves together
     finally:
         lock.release()
-        # DDP, its reducer and the hook state refer to each other; collect them (and the
-        # gloo work they hold) while the interpreter is alive, not at its shutdown, where a
-        # worker was seen to abort ("terminate called without an active exception")
-        gc.collect()
-        dist.destroy_process_group()
+        end_process_group()
     return Path(cfg.out)
 
 
