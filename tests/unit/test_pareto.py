@@ -60,3 +60,15 @@ def test_verdicts_outside_the_frontier_need_dominance():
     assert frontier_verdict(_p("dear-good", 3.50, 1600, kind="dynamic"), STATIC, "bytes") == "outside the frontier"
     assert frontier_verdict(_p("x", math.nan, 300, kind="dynamic"), STATIC, "bytes") == "no finite loss"
     assert frontier_verdict(_p("x", 3.6, 300, kind="dynamic"), [], "bytes") == "no frontier"
+
+
+def test_a_run_at_the_frontiers_end_point_is_on_it():
+    """A policy that held r_max sends r_max's bytes plus its control bytes: at that point,
+    not outside the frontier (measured: 1677.52 MB against r32's 1677.52 MB, same loss)."""
+    top = max(STATIC, key=lambda s: s.bytes)
+    at_top = top.bytes / 1e6 * (1 + 2e-6)
+    assert frontier_verdict(_p("held", top.val_loss, at_top, kind="dynamic"), STATIC, "bytes") == "on"
+    assert frontier_verdict(_p("held-worse", top.val_loss + 0.1, at_top, kind="dynamic"), STATIC, "bytes") == "behind"
+    far = top.bytes / 1e6 * 1.05
+    assert frontier_verdict(_p("dearer", top.val_loss, far, kind="dynamic"), STATIC, "bytes") == "outside the frontier"
+    assert frontier_verdict(_p("x", 3.6, 300, kind="dynamic"), [], "bytes") == "no frontier"

@@ -14,7 +14,8 @@ the frontier. A point's verdict compares its final validation loss with the fron
 interpolated at the same bytes (or time) in log space, with the combined standard error of
 the two losses as the margin: "beyond" (lower by more than the margin), "on" (within it)
 or "behind". Outside the frontier's range a point is judged against the nearest static
-point only if it dominates or is dominated by it; otherwise "outside the frontier".
+point only if it dominates or is dominated by it, or is "on" it (within 1% of its bytes or
+time, and its loss within the margin); otherwise "outside the frontier".
 
 Runs whose folder already holds a finished run of the same settings are reused, so a long
 sweep can be stopped and continued.
@@ -109,6 +110,11 @@ def _bracket(xs: list[float], x: float) -> int | None:
     return None
 
 
+#: How far (relative) past the frontier's last (or first) point a run still counts as at
+#: that point: a policy that held r_max sends r_max's bytes plus a few control bytes.
+END_TOLERANCE = 0.01
+
+
 def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) -> str:
     """Where `point` lies against the static frontier on the loss-vs-`axis` plot ("bytes"
     or "seconds"): "beyond", "on", "behind" or "outside the frontier" (see module doc)."""
@@ -131,6 +137,9 @@ def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) 
         return "on" if point.val_loss <= loss + margin else "behind"
     nearest = pts[0] if x < xs[0] else pts[-1]
     margin = math.hypot(point.val_se, nearest.val_se)
+    if abs(x - getattr(nearest, axis)) <= END_TOLERANCE * getattr(nearest, axis) \
+            and abs(point.val_loss - nearest.val_loss) <= margin:
+        return "on"  # at the frontier's end point (e.g. a policy that held r_max, plus its control bytes)
     if x <= getattr(nearest, axis) and point.val_loss < nearest.val_loss - margin:
         return "beyond"  # fewer bytes (or less time) and a lower loss than a static run
     if x >= getattr(nearest, axis) and point.val_loss > nearest.val_loss + margin:
