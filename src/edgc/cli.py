@@ -99,11 +99,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        description=_TRAIN_DESCRIPTION, epilog=_TRAIN_EXAMPLES, formatter_class=_Manual)
     p.__class__ = _OneLineErrors  # (argparse has no argument for one subcommand's parser class)
     run = p.add_argument_group("which run")
-    run.add_argument("--config", metavar="FILE", help="TOML or JSON file of training options (an [edgc] table for "
-                                                      "EDGCConfig, a [dac] table for DACConfig); flags given here win")
-    run.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint.pt, or "
-                                                     "from a checkpoint file in it (see --keep-checkpoints), with the "
-                                                     "settings it was made with")
+    run.add_argument("--config", metavar="FILE",
+                     help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, a [dac] table "
+                          "for DACConfig); flags given here win")
+    run.add_argument("--resume", metavar="RUN",
+                     help="continue the run in this folder from its checkpoint.pt, or from a checkpoint file in it "
+                          "(see --keep-checkpoints), with the settings it was made with")
     run.add_argument("--auto-resume", action="store_true",
                      help="resume --out's run if it has a checkpoint, else start it (for torchrun --max-restarts, "
                           "which reruns the same command)")

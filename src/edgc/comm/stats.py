@@ -19,6 +19,7 @@ rank 0 for a logger that wants one writer.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,10 +48,10 @@ def log_stats(state: Any, every: int, log: Callable[[dict[str, float], int], Any
     if stats.step == 0 or stats.step % every:
         return False
     if log is None:
-        entropy = f"{stats.entropy:.3f}" if stats.entropy == stats.entropy else "not estimated yet"
-        logger.info("EDGC step %d: %s at rank %d, entropy %s, %.1f MB sent, %.2fx fewer bytes than uncompressed",
-                    stats.step, stats.step_phase, stats.step_rank, entropy, stats.bytes_sent / 1e6,
-                    stats.compression_ratio)
+        sent = f"compressed at rank {stats.step_rank}" if stats.step_phase == "compress" else "sent whole (warm-up)"
+        entropy = f"{stats.entropy:.3f}" if math.isfinite(stats.entropy) else "not estimated yet"
+        logger.info("EDGC step %d: %s, entropy %s; so far %.3g MB sent, %.2fx fewer bytes than uncompressed",
+                    stats.step, sent, entropy, stats.bytes_sent / 1e6, stats.compression_ratio)
     else:
         log({prefix + name: value for name, value in stats.scalars().items()}, stats.step)
     return True

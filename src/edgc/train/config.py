@@ -273,8 +273,8 @@ class TrainConfig:
         if self.activation_rank and self.pp == 1:
             bad("activation_rank", "compresses traffic between pipeline stages: it needs pp > 1")
         if self.nproc is not None and self.dp is not None and self.pp * self.dp != self.nproc:
-            bad("nproc", f"pp({self.pp}) * dp({self.dp}) != nproc({self.nproc}): give as many workers as the "
-                         f"layout uses, or leave nproc unset (--nproc null) to start pp * dp of them")
+            bad("nproc", f"pp({self.pp}) * dp({self.dp}) != world({self.nproc}): the layout must use every "
+                         f"worker exactly once; leave out --nproc to start pp * dp = {self.pp * self.dp} workers")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
         if self.pp > 1:

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from edgc.train.metrics import read_metrics
@@ -121,9 +122,9 @@ def table(summaries: list[RunSummary]) -> str:
 
 
 def show_table(summaries: list[RunSummary], console: Console | None = None) -> None:
-    """Print the comparison table to `console` (stdout by default): drawn as a table when
-    it is a terminal, else as the markdown of `table` (a log or a pipe gets what
-    summary.md holds)."""
+    """Print the comparison table to `console` (stdout by default). In a terminal it is
+    drawn as a table, a row per run, or a column per run when the rows would not fit its
+    width; elsewhere (a log, a pipe) it is the markdown of `table`, as summary.md holds it."""
     console = console or Console()
     if not console.is_terminal:
         console.file.write(table(summaries))
@@ -134,6 +135,12 @@ def show_table(summaries: list[RunSummary], console: Console | None = None) -> N
         column.justify = "right"
     for row in rows:
         drawn.add_row(*row)
+    if Measurement.get(console, console.options.update_width(10_000), drawn).maximum > console.width:
+        drawn = Table("", *(row[0] for row in rows), box=box.SIMPLE_HEAD)
+        for column in drawn.columns[1:]:
+            column.justify = "right"
+        for i, name in enumerate(header[1:], start=1):
+            drawn.add_row(name, *(row[i] for row in rows))
     console.print(drawn)
 
 
