@@ -145,8 +145,10 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
             continue
         if name in choices:
             metavar = "{" + ",".join(choices[name]) + "}"
+        elif name in metavars:
+            metavar = metavars[name] + ("|null" if ftype.optional else "")
         else:
-            metavar = metavars.get(name, ftype.metavar.split("|")[0]) + ("|null" if ftype.optional else "")
+            metavar = ftype.metavar
         group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
                            metavar=metavar, help=help_text)
 

@@ -88,7 +88,7 @@ def test_nproc_against_the_layout_is_one_line(tmp_path, capsys):
     assert main(["train", "--pp", "2", "--dp", "2", "--nproc", "3", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert "pp(2) * dp(2) != world(3)" in err and "leave out --nproc to start pp * dp = 4 workers" in err
+    assert "pp(2) * dp(2) != world(3)" in err and "without --nproc, edgc train starts pp * dp = 4" in err
     assert not out.exists()
 
 

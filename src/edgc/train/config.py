@@ -274,7 +274,7 @@ class TrainConfig:
             bad("activation_rank", "compresses traffic between pipeline stages: it needs pp > 1")
         if self.nproc is not None and self.dp is not None and self.pp * self.dp != self.nproc:
             bad("nproc", f"pp({self.pp}) * dp({self.dp}) != world({self.nproc}): the layout must use every "
-                         f"worker exactly once; leave out --nproc to start pp * dp = {self.pp * self.dp} workers")
+                         f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
         if self.pp > 1:
