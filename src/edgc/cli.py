@@ -49,58 +49,117 @@ class _BoolFlag(argparse.BooleanOptionalAction):
         setattr(namespace, self.dest, True if values is None else values)
 
 
+class _Manual(argparse.HelpFormatter):
+    """`edgc train -h` as a manual: paragraphs are filled to the terminal's width, but a
+    paragraph with indented lines (the examples) is kept as written, and a bool flag reads
+    `--x [true|false], --no-x`."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text  # (zero-argument super() does not work inside a generator)
+        return "\n\n".join(block if "\n " in block else fill(block, width, indent) for block in text.split("\n\n"))
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, _BoolFlag):
+            yes, no = action.option_strings
+            return f"{yes} [true|false], {no}"
+        return super()._format_action_invocation(action)
+
+
+_TRAIN_DESCRIPTION = """\
+Train a GPT-2 preset under DDP with a gradient-sync method, and write a run folder (--out): \
+config.json, metrics.jsonl, checkpoint.pt, summary.md and plots. Without torchrun it starts \
+--nproc local workers (gloo, or NCCL with a GPU each); under torchrun it joins the job.
+
+EDGC sends every step whole until its warm-up ends (--edgc-warmup-steps, by default a tenth \
+of --steps), then compresses at a rank that follows the gradient's entropy.
+
+Each value is read by its option's type: INT (digits, no 1e3), FLOAT (a finite number), \
+TEXT or DIR (as written: --out 2024 is a folder), one of {the,listed,choices}, true|false, or \
+null to unset an option whose placeholder ends in |null."""
+
+_TRAIN_EXAMPLES = """\
+examples:
+  edgc train --steps 300 --out runs/a          EDGC on 2 local workers, GPT-2 tiny, built-in corpus
+  edgc train --method none --out runs/b        the same run with plain all-reduce, to compare
+  edgc report runs/a runs/b                    compare them in a table and plots
+  edgc train --pp 2 --dp 2                     4 workers: 2 pipeline stages x 2 replicas
+  edgc train --log tensorboard                 also TensorBoard events in RUN/tensorboard
+  edgc train --resume runs/a --steps 600       continue a run from its checkpoint
+  edgc train --config run.toml --lr 3e-4       options from a file; flags given here win
+  torchrun --nproc-per-node 8 -m edgc train    join a torchrun job"""
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     from edgc.policy.dac import DACConfig
     from edgc.train.config import TrainConfig
 
     p = sub.add_parser("train", help="train a GPT-2 preset with a gradient-sync method",
-                       description="Train a GPT-2 preset under DDP. Without torchrun it starts --nproc local "
-                                   "gloo workers; under torchrun it joins the job (NCCL when CUDA is present). "
-                                   "Each value is read by its option's type: INT (digits, no 1e3), FLOAT (finite), "
-                                   "TEXT (as given), a choice, or null to unset an option that allows it.")
+                       usage="edgc train [-h] [--config FILE] [--resume RUN | --auto-resume] [--overwrite] "
+                             "[--OPTION VALUE ...]",
+                       description=_TRAIN_DESCRIPTION, epilog=_TRAIN_EXAMPLES, formatter_class=_Manual)
     p.__class__ = _OneLineErrors  # (argparse has no argument for one subcommand's parser class)
-    p.add_argument("--config", metavar="FILE", help="TOML or JSON file of training options (an [edgc] table for "
-                                                    "EDGCConfig, a [dac] table for DACConfig); flags given here win")
-    p.add_argument("--resume", metavar="RUN", help="continue the run in this folder from its checkpoint.pt, or "
-                                                   "from a checkpoint file in it (see --keep-checkpoints), with the "
-                                                   "settings it was made with")
-    p.add_argument("--auto-resume", action="store_true",
-                   help="resume --out's run if it has a checkpoint, else start it (for torchrun --max-restarts, "
-                        "which reruns the same command)")
-    p.add_argument("--overwrite", action="store_true", help="replace the run files in --out of an earlier run")
+    run = p.add_argument_group("which run")
+    run.add_argument("--config", metavar="FILE",
+                     help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, a [dac] table "
+                          "for DACConfig); flags given here win")
+    run.add_argument("--resume", metavar="RUN",
+                     help="continue the run in this folder from its checkpoint.pt, or from a checkpoint file in it "
+                          "(see --keep-checkpoints), with the settings it was made with")
+    run.add_argument("--auto-resume", action="store_true",
+                     help="resume --out's run if it has a checkpoint, else start it (for torchrun --max-restarts, "
+                          "which reruns the same command)")
+    run.add_argument("--overwrite", action="store_true", help="replace the run files in --out of an earlier run")
     # Every option is absent from the namespace unless given, so that an explicit "null"
     # (--stop-after null) reaches the options as None and can clear a saved value.
-    _add_fields(p, TrainConfig, "", "", show_defaults=True)
-    group = p.add_argument_group("EDGCConfig fields (default: scaled to the run length)")
-    _add_fields(group, EDGCConfig, "edgc-", "edgc__", show_defaults=False)
-    group = p.add_argument_group("DACConfig fields, with --pp > 1 (edgc.policy.dac)")
-    _add_fields(group, DACConfig, "dac-", "dac__", show_defaults=True)
+    for title, names in TrainConfig.GROUPS.items():
+        _add_fields(p.add_argument_group(title), TrainConfig, "", "", names)
+    group = p.add_argument_group("EDGCConfig fields, as --edgc-FIELD (edgc.config; defaults scaled to the run "
+                                 "are given in words)")
+    _add_fields(group, EDGCConfig, "edgc-", "edgc__", shown_defaults=TrainConfig.SCALED_EDGC_DEFAULTS)
+    group = p.add_argument_group("DACConfig fields, as --dac-FIELD, with --pp > 1 (edgc.policy.dac)")
+    _add_fields(group, DACConfig, "dac-", "dac__")
 
 
-def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, show_defaults: bool) -> None:
-    """One flag --<flag_prefix><field> per field of the config dataclass `cls`, parsed by
-    the field's type (edgc.config.FieldType.parse), with its docstring (and default) as
-    help; dict fields (TrainConfig.edgc, .dac) have flags of their own and none here."""
+def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tuple[str, ...] | None = None,
+                shown_defaults: dict[str, str] | None = None) -> None:
+    """One flag --<flag_prefix><field> per field of the config dataclass `cls` (those in
+    `names`, by default all), parsed by the field's type (edgc.config.FieldType.parse),
+    with its docstring and default as help, its CHOICES or METAVARS entry as placeholder;
+    `shown_defaults` gives a default in words where the run sets it. Dict fields
+    (TrainConfig.edgc, .dac) have flags of their own and none here."""
     choices = getattr(cls, "CHOICES", {})
+    metavars = getattr(cls, "METAVARS", {})
     docs = field_docs(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, ftype in field_types(cls).items():
+    types = field_types(cls)
+    for name in names or types:
+        ftype = types[name]
         if ftype.kind is dict:
             continue
         flag = f"--{flag_prefix}{name.replace('_', '-')}"
-        help_text = docs.get(name, "")
-        if show_defaults:
-            default = defaults[name]
-            shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
-            help_text += f" (default: {shown})"
-        help_text = help_text.replace("%", "%%")
+        shown = (shown_defaults or {}).get(name) or _shown(defaults[name])
+        help_text = f"{docs.get(name, '')} (default: {shown})".replace("%", "%%")
         if ftype.kind is bool:
             group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(ftype),
                                default=argparse.SUPPRESS, metavar="true|false", help=help_text)
+            continue
+        if name in choices:
+            metavar = "{" + ",".join(choices[name]) + "}"
+        elif name in metavars:
+            metavar = metavars[name] + ("|null" if ftype.optional else "")
         else:
-            metavar = "{" + ",".join(choices[name]) + "}" if name in choices else ftype.metavar
-            group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
-                               metavar=metavar, help=help_text)
+            metavar = ftype.metavar
+        group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
+                           metavar=metavar, help=help_text)
+
+
+def _shown(default: object) -> str:
+    """A field's default as the command line writes it: null, true, false, "" or the value."""
+    if default is None:
+        return "null"
+    if isinstance(default, bool):
+        return str(default).lower()
+    return '""' if default == "" else str(default)
 
 
 def _typed(ftype: FieldType):
@@ -140,6 +199,7 @@ def _given_options(args: argparse.Namespace) -> dict:
 
 def _train(args: argparse.Namespace) -> int:
     from edgc.train.config import TrainConfig
+    from edgc.train.summary import load_run, show_table, summarize
     from edgc.train.trainer import CHECKPOINT_NAME, resume_config, resume_target, train, train_distributed
 
     given = _given_options(args)
@@ -158,8 +218,9 @@ def _train(args: argparse.Namespace) -> int:
     # (--auto-resume without a checkpoint yet: a restarted job replaces its own first attempt)
     run = start(cfg, resume=resume, overwrite=args.overwrite or (args.auto_resume and resume is None))
     if not under_torchrun or os.environ.get("RANK") == "0":
-        print(f"run folder: {run}  (summary.md, metrics.jsonl, plots, checkpoint.pt)")
-        print((run / "summary.md").read_text().split("\n\n")[2])
+        print(f"run folder: {run}  (summary.md, metrics.jsonl, plots, checkpoint.pt)", flush=True)
+        config, records = load_run(run)
+        show_table([summarize(run.name, config, records)])
     return 0
 
 
@@ -197,8 +258,9 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from edgc.train.report import report
+    from edgc.train.summary import show_table
 
-    print(report(args.runs, args.out), end="")
+    show_table(report(args.runs, args.out))
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0
 

@@ -59,6 +59,8 @@ class EDGCConfig:
         "policy": POLICIES, "entropy_estimator": ESTIMATORS, "cqm_method": CQM_METHODS,
         "warmup_error_norm": WARMUP_ERROR_NORMS,
     }
+    #: Placeholders for values that are not plain text (the CLI's help shows them).
+    METAVARS: ClassVar[dict[str, str]] = {"rank_schedule": "STEP:RANK,..."}
 
     policy: str = "cqm"
     """How the rank is chosen: "cqm" (the paper's rule, r1 = g^-1(e^(H0-H1) g(r0))),

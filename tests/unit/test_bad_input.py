@@ -41,8 +41,9 @@ ALLOWED = {
     # checkpoints, a large cap (memory and time are theirs, as with any trainer)
     *[(f, str(10**12)) for f in ("--steps", "--stop-after", "--lr-warmup-steps", "--eval-every", "--eval-tokens",
                                  "--checkpoint-every", "--corpus-bytes", "--edgc-window", "--edgc-warmup-steps",
-                                 "--dac-max-samples", "--nproc", "--batch-size", "--grad-accum", "--block-size",
-                                 "--vocab-size", "--keep-checkpoints", "--max-restarts", "--max-nonfinite-steps")],
+                                 "--dac-max-samples", "--nproc", "--dp", "--batch-size", "--grad-accum",
+                                 "--block-size", "--vocab-size", "--keep-checkpoints", "--max-restarts",
+                                 "--max-nonfinite-steps")],
     # a huge but finite float: a learning rate or decay that diverges, clipping that never
     # clips, a threshold no matrix meets, given timings
     *[(f, "1e12") for f in ("--lr", "--weight-decay", "--grad-clip", "--edgc-min-compression-rate", "--dac-eta",

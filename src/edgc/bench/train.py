@@ -24,6 +24,7 @@ from edgc.models import PRESETS
 from edgc.train.config import TrainConfig
 from edgc.train.report import report
 from edgc.train.summary import load_run, stage_table, summarize
+from edgc.train.summary import table as markdown_table
 from edgc.train.trainer import ensure_data
 
 __all__ = ["add_parser", "run", "time_to_target"]
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                            timeout=args.timeout)
             print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
             runs.append(run_dir)
-    table = report(runs, out)
+    table = markdown_table(report(runs, out))
     text = _bench_markdown(args, steps, runs, table, cluster)
     (out / "bench.md").write_text(text)
     print(text, end="")

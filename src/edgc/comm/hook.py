@@ -109,6 +109,22 @@ class EDGCStats:
         """bytes_uncompressed / bytes_sent (1.0 before any step)."""
         return self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0
 
+    def scalars(self) -> dict[str, float]:
+        """These stats as numbers for a metrics logger (edgc.comm.stats.log_stats): "rank"
+        and "compressing" (1 or 0) say what the last step did (step_rank, step_phase), as
+        metrics.jsonl does; then "entropy" (left out before the first estimate), "min_rank",
+        "max_rank", the byte counts so far and their "compression_ratio", the seconds spent,
+        and the counts of compressed and non-finite steps."""
+        out = {
+            "rank": float(self.step_rank), "compressing": float(self.step_phase == "compress"),
+            "entropy": self.entropy, "min_rank": float(self.min_rank), "max_rank": float(self.max_rank),
+            "bytes_sent": float(self.bytes_sent), "bytes_uncompressed": float(self.bytes_uncompressed),
+            "compression_ratio": self.compression_ratio, "compress_seconds": self.compress_seconds,
+            "comm_seconds": self.comm_seconds, "entropy_seconds": self.entropy_seconds,
+            "compressed_steps": float(self.compressed_steps), "nonfinite_steps": float(self.nonfinite_steps),
+        }
+        return {name: value for name, value in out.items() if math.isfinite(value)}
+
 
 @dataclass
 class _Group:

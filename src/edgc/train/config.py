@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 TOKENIZERS = ("bpe", "gpt2")
+LOGS = ("jsonl", "tensorboard")
 #: The largest DDP bucket taken, in MB (1 TiB): DDP holds the size as a 64-bit byte count.
 MAX_BUCKET_MB = 2.0**20
 
@@ -38,8 +40,30 @@ class TrainConfig:
     #: The values each text field may take (validate checks them; the CLI lists them).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "preset": tuple(PRESETS), "method": METHODS, "device": DEVICES, "dtype": DTYPES,
-        "tokenizer": TOKENIZERS, "schedule": SCHEDULES,
+        "tokenizer": TOKENIZERS, "schedule": SCHEDULES, "log": LOGS,
     }
+    #: How `edgc train --help` groups the fields, each field in one group, in this order
+    #: (the "edgc" and "dac" tables have groups of their own).
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype"),
+        "workers and parallel layout": ("nproc", "pp", "dp", "schedule", "microbatches", "sync_after_send",
+                                        "activation_rank"),
+        "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "min_lr",
+                         "lr_warmup_steps", "weight_decay", "grad_clip", "seed", "max_nonfinite_steps"),
+        "data": ("data", "tokenizer", "vocab_size", "corpus_bytes", "data_cache"),
+        "evaluation": ("eval_every", "eval_tokens"),
+        "run folder, logging and checkpoints": ("out", "log", "progress", "checkpoint_every", "keep_checkpoints",
+                                                "max_restarts"),
+    }
+    #: The EDGCConfig defaults that `edgc_config` scales to the run, in words (the CLI's
+    #: help shows them in place of EDGCConfig's own defaults).
+    SCALED_EDGC_DEFAULTS: ClassVar[dict[str, str]] = {
+        "policy": '"static" with --method powersgd, else "cqm"', "max_rank": "--rank",
+        "window": "steps // 15, at least 5", "iteration_sample_rate": "5 / window, in [0.1, 1]",
+        "warmup_steps": "steps // 10, at least 1", "seed": "--seed",
+    }
+    #: Placeholders for values that are not plain text (the CLI's help shows them).
+    METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR"}
 
     preset: str = "tiny"
     """Model preset (edgc.models.PRESETS)."""
@@ -48,8 +72,9 @@ class TrainConfig:
     """Gradient sync: "none" (plain all-reduce), "powersgd" (our compressor, static rank),
     "torch-powersgd" (PyTorch's own hook, made safe for gloo) or "edgc"."""
 
-    nproc: int = 2
-    """Local workers started by `edgc train` (ignored under torchrun, which sets the world)."""
+    nproc: int | None = None
+    """Local workers started by `edgc train` (ignored under torchrun, which sets the world).
+    None: pp * dp when dp is given, else pp when pp > 1 (one replica per stage), else 2."""
 
     device: str = "auto"
     """Where the workers train: "auto" (CUDA when a GPU is visible, else the CPU), "cpu"
@@ -138,6 +163,11 @@ class TrainConfig:
     progress: bool = True
     """Show a live progress bar on rank 0."""
 
+    log: str = "jsonl"
+    """Where rank 0 logs each step besides the console: "jsonl" (metrics.jsonl) or
+    "tensorboard" (metrics.jsonl, and the same scalars as TensorBoard event files in
+    `out`/tensorboard; needs the tensorboard package: pip install 'edgc[tensorboard]')."""
+
     edgc: dict[str, Any] = field(default_factory=dict)
     """EDGCConfig overrides (any field); unspecified ones are scaled to the run (`resolve`)."""
 
@@ -188,10 +218,11 @@ class TrainConfig:
         `edgc` and `dac`), then its range, then the layout. Checks paths but writes nothing."""
         bad = self._refuse
         check_field_types(self, bad)
-        for name in ("nproc", "steps", "batch_size", "grad_accum", "rank", "vocab_size"):
+        for name in ("steps", "batch_size", "grad_accum", "rank", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        for name in ("block_size", "eval_every", "eval_tokens", "checkpoint_every", "corpus_bytes", "stop_after"):
+        for name in ("nproc", "block_size", "eval_every", "eval_tokens", "checkpoint_every", "corpus_bytes",
+                     "stop_after"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 bad(name, "must be a positive integer or null (unset)")
@@ -241,8 +272,13 @@ class TrainConfig:
             bad("activation_rank", "must be an integer >= 0")
         if self.activation_rank and self.pp == 1:
             bad("activation_rank", "compresses traffic between pipeline stages: it needs pp > 1")
+        if self.nproc is not None and self.dp is not None and self.pp * self.dp != self.nproc:
+            bad("nproc", f"pp({self.pp}) * dp({self.dp}) != world({self.nproc}): the layout must use every "
+                         f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
+        if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
         if self.pp > 1:
-            self.check_layout(self.nproc)
+            self.check_layout(self.workers())
             layers = PRESETS[self.preset].n_layer
             if self.pp > layers:
                 bad("pp", f"the {self.preset} preset has {layers} blocks, fewer than pp({self.pp}) stages")
@@ -272,6 +308,15 @@ class TrainConfig:
         (process_group_backend)."""
         return process_group_backend(self.resolved_device(), world, torch.cuda.device_count())
 
+    def workers(self) -> int:
+        """The local workers `edgc train` starts: `nproc`, or when unset pp * dp (dp given),
+        pp (pp > 1: one replica per stage), or 2."""
+        if self.nproc is not None:
+            return self.nproc
+        if self.dp is not None:
+            return self.pp * self.dp
+        return self.pp if self.pp > 1 else 2
+
     def check_layout(self, world: int) -> None:
         """Raise ValueError unless pp * dp == world, showing the arithmetic."""
         dp = self.dp if self.dp is not None else world // self.pp
@@ -287,6 +332,7 @@ class TrainConfig:
         c = dataclasses.replace(self, edgc=dict(self.edgc), dac=dict(self.dac))
         preset = PRESETS[c.preset]
         c.device = c.resolved_device()
+        c.nproc = c.workers()
         if c.block_size is None:
             c.block_size = preset.block_size
         if c.min_lr is None:

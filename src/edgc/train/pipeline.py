@@ -271,7 +271,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             stage_mod.compressor.load_state_dict(ckpt["replicas"][rank]["activation"])
         del ckpt
 
-    writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
+    writer = MetricsWriter.for_run(cfg, resume_step=start if resume else None) if rank == 0 else None
     display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.batch_size * cfg.block_size * layout.dp
     prev = hook_state.stats()

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgc.train.plots import plot_runs
-from edgc.train.summary import load_run, summarize, table
+from edgc.train.summary import RunSummary, load_run, summarize, table
 
 __all__ = ["report"]
 
 
-def report(run_dirs: list[str | Path], out_dir: str | Path) -> str:
-    """Write report.md and overlay plots into out_dir; returns the markdown table."""
+def report(run_dirs: list[str | Path], out_dir: str | Path) -> list[RunSummary]:
+    """Write report.md and overlay plots into out_dir; returns the runs' summaries, in the
+    order of its table."""
     if not run_dirs:
         raise ValueError("report needs at least one run folder")
     loaded = []
@@ -33,4 +34,4 @@ def report(run_dirs: list[str | Path], out_dir: str | Path) -> str:
         "(sqrt(SE1^2 + SE2^2)), i.e. not shown to be real.\n\n"
         "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
-    return text
+    return summaries

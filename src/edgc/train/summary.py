@@ -8,10 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
 from edgc.train.metrics import read_metrics
 from edgc.train.plots import plot_runs
 
-__all__ = ["RunSummary", "compare_loss", "load_run", "stage_table", "summarize", "table", "write_summary"]
+__all__ = ["RunSummary", "compare_loss", "load_run", "show_table", "stage_table", "summarize", "table", "table_cells",
+           "write_summary"]
 
 
 @dataclass
@@ -87,26 +93,55 @@ def _loss_with_se(loss: float, se: float) -> str:
     return f"{loss:.4f} ± {se:.4f}" if math.isfinite(se) else f"{loss:.4f}"
 
 
-def table(summaries: list[RunSummary]) -> str:
-    """A markdown comparison table; ratios are against the first run. The validation loss
-    comes with its standard error, and "val loss vs first" says whether a difference is
-    within the two runs' combined standard error (see `compare_loss`)."""
+def table_cells(summaries: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
+    """The comparison table's header and rows, as text; ratios are against the first run.
+    The validation loss comes with its standard error, and "val loss vs first" says whether
+    a difference is within the two runs' combined standard error (see `compare_loss`)."""
     base = summaries[0]
-    lines = [
-        "| run | method | steps | final val loss ± SE | val loss vs first | val ppl | total MB sent | "
-        "bytes vs first | mean step (ms) | comm time (s) | final rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["run", "method", "steps", "final val loss ± SE", "val loss vs first", "val ppl", "total MB sent",
+              "bytes vs first", "mean step (ms)", "comm time (s)", "final rank"]
+    rows = []
     for s in summaries:
         versus = "—" if s is base else compare_loss(s.final_val_loss, s.final_val_loss_se,
                                                      base.final_val_loss, base.final_val_loss_se)
-        lines.append(
-            f"| {s.name} | {s.method} | {s.steps} | {_loss_with_se(s.final_val_loss, s.final_val_loss_se)} | "
-            f"{versus} | {s.final_val_ppl:.2f} | "
-            f"{s.total_bytes / 1e6:.1f} | {s.total_bytes / base.total_bytes if base.total_bytes else math.nan:.3f} | {s.mean_step_time * 1e3:.1f} | "
-            f"{s.total_comm_time:.2f} | {s.final_rank} |"
-        )
+        rows.append([
+            s.name, s.method, str(s.steps), _loss_with_se(s.final_val_loss, s.final_val_loss_se), versus,
+            f"{s.final_val_ppl:.2f}", f"{s.total_bytes / 1e6:.1f}",
+            f"{s.total_bytes / base.total_bytes if base.total_bytes else math.nan:.3f}",
+            f"{s.mean_step_time * 1e3:.1f}", f"{s.total_comm_time:.2f}", str(s.final_rank),
+        ])
+    return header, rows
+
+
+def table(summaries: list[RunSummary]) -> str:
+    """The comparison table (`table_cells`) in markdown, as summary.md and report.md hold it."""
+    header, rows = table_cells(summaries)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def show_table(summaries: list[RunSummary], console: Console | None = None) -> None:
+    """Print the comparison table to `console` (stdout by default). In a terminal it is
+    drawn as a table, a row per run, or a column per run when the rows would not fit its
+    width; elsewhere (a log, a pipe) it is the markdown of `table`, as summary.md holds it."""
+    console = console or Console()
+    if not console.is_terminal:
+        console.file.write(table(summaries))
+        return
+    header, rows = table_cells(summaries)
+    drawn = Table(*header, box=box.SIMPLE_HEAD)
+    for column in drawn.columns[2:]:  # (the figures)
+        column.justify = "right"
+    for row in rows:
+        drawn.add_row(*row)
+    if Measurement.get(console, console.options.update_width(10_000), drawn).maximum > console.width:
+        drawn = Table("", *(row[0] for row in rows), box=box.SIMPLE_HEAD)
+        for column in drawn.columns[1:]:
+            column.justify = "right"
+        for i, name in enumerate(header[1:], start=1):
+            drawn.add_row(name, *(row[i] for row in rows))
+    console.print(drawn)
 
 
 def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:

@@ -1,7 +1,7 @@
 """The training loop: GPT-2 under DDP with a chosen gradient-sync method.
 
 Two ways in:
-- `train(cfg)`: the embedded default; prepares data, then starts `cfg.nproc` local
+- `train(cfg)`: the embedded default; prepares data, then starts `cfg.workers()` local
   workers (edgc.train.launch: gloo, or NCCL with a GPU per worker) and writes the summary
   and plots when they finish.
 - `train_distributed(cfg)`: under torchrun; joins the job it is given (NCCL on CUDA,
@@ -112,7 +112,7 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 
 # options a resumed run may change; every other one must match its checkpoint's
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
-                     "max_restarts", "max_nonfinite_steps", "progress", "data", "data_cache", "device", "nproc")
+                     "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc")
 
 
 def resume_target(path: str | Path) -> Path:
@@ -154,7 +154,7 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
 
 
 def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: bool = False) -> Path:
-    """Train on `cfg.nproc` local workers; returns the run folder.
+    """Train on `cfg.workers()` local workers; returns the run folder.
 
     `resume`: a checkpoint file, or True for the run folder's checkpoint.pt. The folder is
     locked for the whole run. When a worker dies, the job restarts from the last
@@ -162,11 +162,12 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
     raises TrainingFailed with one line (which worker, how, at which step, how to resume);
     the workers' tracebacks go to errors.log in the run folder.
     """
-    if cfg.pp > 1 and cfg.resolved_device() == "cuda" and cfg.backend(cfg.nproc) != "nccl":
-        raise ValueError(f"pp > 1 on CUDA needs a GPU per worker (NCCL): {cfg.nproc} workers, "
-                         f"{torch.cuda.device_count()} GPUs")
     cfg.validate()  # (before the lock creates the folder)
-    cfg.check_layout(cfg.nproc)
+    workers = cfg.workers()
+    if cfg.pp > 1 and cfg.resolved_device() == "cuda" and cfg.backend(workers) != "nccl":
+        raise ValueError(f"pp > 1 on CUDA needs a GPU per worker (NCCL): {workers} workers, "
+                         f"{torch.cuda.device_count()} GPUs")
+    cfg.check_layout(workers)
     out = Path(cfg.out)
     RunLock.check_free(out)  # (these two refuse without touching the folder; again under the lock)
     if not resume and not overwrite:
@@ -175,13 +176,13 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
     with RunLock(out) as lock:
         for leftover in clean_leftovers(out):
             logger.warning("removed %s, left by a process killed while writing it", leftover)
-        cfg = prepare_run(cfg, ckpt, cfg.nproc, overwrite)
+        cfg = prepare_run(cfg, ckpt, workers, overwrite)
         data = ensure_data(cfg)
         restarts = 0
         while True:
             try:
-                run_local(train_worker, cfg.nproc, cfg.to_dict(), str(data), str(ckpt) if ckpt else None,
-                          backend=cfg.backend(cfg.nproc), log_path=out / "errors.log", on_start=lock.note)
+                run_local(train_worker, workers, cfg.to_dict(), str(data), str(ckpt) if ckpt else None,
+                          backend=cfg.backend(workers), log_path=out / "errors.log", on_start=lock.note)
                 break
             except WorkerError as exc:
                 saved = _checkpoint_step(out)
@@ -374,7 +375,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         del ckpt
     precision.tell(hook_state)
 
-    writer = MetricsWriter(Path(cfg.out) / "metrics.jsonl", resume_step=start if resume else None) if rank == 0 else None
+    writer = MetricsWriter.for_run(cfg, resume_step=start if resume else None) if rank == 0 else None
     display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
     prev = hook_state.stats()
