@@ -83,12 +83,14 @@ def save_states(state: Any, folder: str | Path, *, step: int | None = None) -> P
     return path
 
 
-def read_states(folder: str | Path) -> dict[str, Any]:
+def read_states(folder: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     """The contents of `folder`/edgc_state.pt (or of the file `folder`): {"world_size",
     "step", "replicas"}; raises FileNotFoundError or ValueError saying what is wrong.
 
-    Tensors are memory-mapped from the file, so a replica that reads every replica's
-    states holds only the pages of the entry it uses.
+    mmap=True maps the tensors from the file instead of reading them, so that a replica
+    that reads every replica's states holds only the pages of the entry it uses. Copy
+    what you keep: a mapped file rewritten in place (not replaced, as save_states does)
+    kills the reading process with SIGBUS.
     """
     path = Path(folder)
     if path.is_dir():
@@ -98,7 +100,7 @@ def read_states(folder: str | Path) -> dict[str, Any]:
                                 f"edgc.checkpoint.save_states (or an edgc integration) when the checkpoint is saved")
     verify_checksums(path)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
         raise ValueError(f"EDGC state {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
@@ -113,7 +115,7 @@ def load_states(state: Any, folder: str | Path, *, step: int | None = None) -> N
     `state`; every replica reads the file. With `step`, the file must have been saved at
     that step (a check that the folder belongs to the checkpoint being resumed).
     Raises ValueError on a corrupt file, another world size or another step."""
-    data = read_states(folder)
+    data = read_states(folder, mmap=True)  # (copied below: only this replica's entry is read)
     if step is not None and data.get("step") is not None and int(data["step"]) != step:
         raise ValueError(f"the EDGC state in {str(folder)!r} was saved at step {data['step']}, and training "
                          f"resumes at step {step}")
