@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Create .venv with edgc and its test tools. torch is pinned here (not in pyproject) to the
-# CPU build this project's machines carry; override with EDGC_TORCH="torch==X" for others.
+# Create .venv with edgc, its test tools and the frameworks edgc.integrations adapts to
+# (their tests run in CI). torch is pinned here (not in pyproject) to the CPU build this
+# project's machines carry; override with EDGC_TORCH="torch==X" for others. An existing
+# .venv that lacks any of them gets them on the next run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import edgc, torch, pytest" 2>/dev/null; then
+# (the frameworks are looked up, not imported: importing them takes seconds)
+if ! .venv/bin/python -c "import edgc, torch, pytest, importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ('lightning', 'transformers', 'accelerate')))" 2>/dev/null; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "${EDGC_TORCH:-torch==2.13.0}"
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,lightning,hf]"
 fi

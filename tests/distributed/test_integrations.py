@@ -8,29 +8,10 @@ import csv
 import pytest
 import torch
 
-from harness import run_workers
+from harness import assert_same, run_workers
 from integration_workers import accelerate_run, exact_part, lightning_run, shared_part, trainer_run
 
 from edgc.checkpoint import FILE_NAME
-
-
-
-def _assert_equal(a, b, where: str = "") -> None:
-    """Nested dicts/lists of tensors and plain values, compared exactly (NaN equals NaN)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and a != a:
-        assert isinstance(b, float) and b != b, where
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def _check_compressed_and_identical(results: list[dict], steps: int) -> None:
@@ -39,14 +20,14 @@ def _check_compressed_and_identical(results: list[dict], steps: int) -> None:
         assert stats.step == steps  # the hook ran once per optimiser step
         assert stats.compressed_steps > 0 and stats.bytes_sent < stats.bytes_uncompressed
     assert torch.equal(results[0]["params"], results[1]["params"])  # replicas bit-identical
-    _assert_equal(shared_part(results[0]["state"]), shared_part(results[1]["state"]), "state")
+    assert_same(shared_part(results[0]["state"]), shared_part(results[1]["state"]), "state")
     assert [r["state"]["replica"] for r in results] == [0, 1]
 
 
 def _check_resumed_exactly(results: list[dict]) -> None:
     for r in results:
         assert torch.equal(r["resumed_params"], r["params"])
-        _assert_equal(exact_part(r["resumed_state"]), exact_part(r["state"]), "resumed state")
+        assert_same(exact_part(r["resumed_state"]), exact_part(r["state"]), "resumed state")
 
 
 @pytest.mark.slow
@@ -75,6 +56,7 @@ def test_hf_trainer_callback_trains_checkpoints_and_resumes(tmp_path):
     assert [s["replica"] for s in data["replicas"]] == [0, 1] and data["step"] == 3
     logged = results[0]["logged"]  # the Trainer's log_history, on every logging step
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+    assert all("loss" in r for r in logged)  # (merged into the Trainer's own logs, none lost)
     assert logged[0]["edgc/rank"] == 0.0 and logged[-1]["edgc/rank"] > 0 and logged[-1]["edgc/compression_ratio"] > 1
 
 

@@ -25,7 +25,10 @@ error feedback is its own (EDGCState refuses another replica's state).
 
 Why the Trainer callback needs `attach(trainer)`. Callbacks are handed the unwrapped
 model, and the hook must go on the DDP wrapper (`trainer.model_wrapped`), which only
-the Trainer holds.
+the Trainer holds. attach() also makes the callback the Trainer's first, so that the
+stats it adds to a log are there when the other callbacks (the reporters) see it. (It
+does not call trainer.log itself: a log resets the Trainer's should_log, and the
+step's loss would then go unlogged.)
 
 The Trainer's default is `find_unused_parameters=True` for DDP, which costs a graph
 traversal every step; EDGC needs every parameter's gradient at every step anyway, so
@@ -117,10 +120,10 @@ class EDGCTrainerCallback(TrainerCallback):
     Give it its Trainer with `attach(trainer)`, before `trainer.train()`. At the start of
     training it registers the hook on the Trainer's DDP wrapper (and, when resuming,
     first loads this replica's state from the checkpoint folder); at each save it writes
-    every replica's state to checkpoint-N/edgc_state.pt; at each logging step it logs
-    rank, entropy, phase, compression ratio and bytes sent (edgc.integrations.log_values)
-    through `trainer.log`, so they reach log_history and every `report_to` integration.
-    `self.state` is the EDGCState.
+    every replica's state to checkpoint-N/edgc_state.pt; to each training log (every
+    `logging_steps`) it adds rank, entropy, phase, compression ratio and bytes sent
+    (edgc.integrations.log_values), so they reach log_history, the console and every
+    `report_to` integration. `self.state` is the EDGCState.
     """
 
     def __init__(self, config: EDGCConfig | None = None, *, process_group: dist.ProcessGroup | None = None,
@@ -131,11 +134,14 @@ class EDGCTrainerCallback(TrainerCallback):
         self._ddp: Any = None
 
     def attach(self, trainer: Trainer) -> EDGCTrainerCallback:
-        """Keep `trainer` (for its DDP wrapper and its log) and add this callback to it
-        if it is not among its callbacks yet. Returns self."""
+        """Keep `trainer` (for its DDP wrapper) and make this callback its first one (so
+        that the stats it adds to a log reach every other callback's on_log: the
+        console, TensorBoard, W&B...). Returns self."""
         self._trainer = trainer
-        if self not in trainer.callback_handler.callbacks:
-            trainer.add_callback(self)
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
         return self
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -170,8 +176,14 @@ class EDGCTrainerCallback(TrainerCallback):
         # (the Trainer has just written checkpoint-N on rank 0; every rank gets here)
         save_states(self.state, Path(args.output_dir) / f"checkpoint-{state.global_step}", step=state.global_step)
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        # (DefaultFlowCallback, ahead of this one, has set should_log on logging steps)
-        if self.log_stats and control.should_log and self._trainer is not None and self.state.step > 0:
-            self._trainer.log(log_values(self.state.stats()))
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        """Add the EDGC stats to each training log (the ones with "loss"), and to its
+        entry in state.log_history (the Trainer appends that before calling on_log)."""
+        if not self.log_stats or logs is None or "loss" not in logs or self.state.step == 0:
+            return
+        values = log_values(self.state.stats())
+        logs.update(values)
+        last = state.log_history[-1] if state.log_history else {}
+        if last.get("step") == state.global_step and last.get("loss") == logs["loss"]:
+            last.update(values)
