@@ -1,17 +1,12 @@
 """edgc.checkpoint in one process: the file round trip continues exactly, and a file from
 another world size, another step, or a damaged one is refused with a clear error."""
 
-import math
-import sys
-
 import pytest
 import torch
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.checkpoint import FILE_NAME, gather_states, load_states, read_states, restore_state, save_states
 from edgc.comm.buckets import sync_with_hook
-from edgc.comm.hook import EDGCStats
-from edgc.integrations import log_values
 
 CONFIG = EDGCConfig(warmup_steps=1, window=2, max_rank=2, min_rank=1, iteration_sample_rate=1.0,
                     warmup_error_check=False)
@@ -92,27 +87,3 @@ def test_without_torch_distributed_the_list_is_this_process_alone():
     states = gather_states(state)
     assert len(states) == 1 and states[0]["replica"] == 0
     restore_state(EDGCState(None, CONFIG), states)
-
-
-def test_log_values_are_floats_and_leave_out_an_unknown_entropy():
-    stats = EDGCStats(step=3, phase="compress", rank=4, step_phase="compress", step_rank=4, entropy=math.nan,
-                      min_rank=1, max_rank=8, bytes_sent=100, bytes_uncompressed=400, compress_seconds=0.0,
-                      comm_seconds=0.0, entropy_seconds=0.0, nonfinite_steps=0, compressed_steps=2)
-    assert log_values(stats) == {"edgc/rank": 4.0, "edgc/compressing": 1.0, "edgc/compression_ratio": 4.0,
-                                 "edgc/bytes_sent": 100.0}
-    stats.entropy, stats.step_phase = -3.5, "warmup"
-    assert log_values(stats, prefix="")["entropy"] == -3.5 and log_values(stats)["edgc/compressing"] == 0.0
-
-
-@pytest.mark.parametrize("module, framework, extra", [
-    ("edgc.integrations.lightning", "lightning", "lightning"),
-    ("edgc.integrations.hf", "transformers", "hf"),
-    ("edgc.integrations.hf", "accelerate", "hf"),
-])
-def test_an_integration_without_its_framework_names_the_extra(monkeypatch, module, framework, extra):
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    monkeypatch.setitem(sys.modules, framework, None)  # (import of it fails, as when not installed)
-    if framework == "accelerate":
-        monkeypatch.setitem(sys.modules, "transformers", type(sys)("transformers"))  # (found, so accelerate is next)
-    with pytest.raises(ImportError, match=rf'needs {framework!r}.*pip install "edgc\[{extra}\]"'):
-        __import__(module)
