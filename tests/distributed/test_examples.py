@@ -46,7 +46,8 @@ def test_lightning_example(tmp_path):
     script = [sys.executable, str(EXAMPLES / "lightning_ddp.py")]  # (Lightning starts the second process)
     first = _run([*script, "--steps", "10", "--out", "run"], tmp_path)
     ckpt = tmp_path / "run" / "checkpoints" / "step=10.ckpt"
-    assert [s["replica"] for s in torch.load(ckpt, weights_only=True)["callbacks"]["EDGCCallback"]["replicas"]] == [0, 1]
+    states = torch.load(ckpt, weights_only=True)["callbacks"]["EDGCCallback"]["replicas"]
+    assert [s["replica"] for s in states] == [0, 1]
     resumed = _run([*script, "--steps", "14", "--out", "run", "--resume", str(ckpt)], tmp_path)
     _check(first, resumed)
 

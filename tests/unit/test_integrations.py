@@ -31,7 +31,8 @@ def test_an_integration_without_its_framework_names_the_extra(monkeypatch, modul
     monkeypatch.setitem(sys.modules, framework, None)  # (import of it fails, as when not installed)
     if framework == "accelerate":
         monkeypatch.setitem(sys.modules, "transformers", type(sys)("transformers"))  # (found, so accelerate is next)
-    with pytest.raises(ImportError, match=rf'needs {framework!r}.*pip install "edgc\[{extra}\]"'):
+    message = rf'needs {framework!r}, which could not be imported.*pip install "edgc\[{extra}\]"'
+    with pytest.raises(ImportError, match=message):
         __import__(module)
 
 

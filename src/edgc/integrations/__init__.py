@@ -43,5 +43,5 @@ def _require(module: str, extra: str, what: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"{what} needs {module!r}, which is not installed: pip install \"edgc[{extra}]\" "
-                          f"({exc})") from exc
+        raise ImportError(f"{what} needs {module!r}, which could not be imported ({exc}); install it with: "
+                          f"pip install \"edgc[{extra}]\"") from exc
