@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Create .venv with edgc and its test tools. torch is pinned here (not in pyproject) to the
-# CPU build this project's machines carry; override with EDGC_TORCH="torch==X" for others.
-# The optional extras are installed too, so that the tests of each one run.
+# Create .venv with edgc, its test tools and every optional extra (TensorBoard, and the
+# frameworks edgc.integrations adapts to), so that the tests of each one run, in CI too.
+# torch is pinned here (not in pyproject) to the CPU build this project's machines carry;
+# override with EDGC_TORCH="torch==X" for others. An existing .venv that lacks any of them
+# gets them on the next run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import edgc, torch, pytest, tensorboard" 2>/dev/null; then
+# (the extras are looked up, not imported: importing them takes seconds)
+if ! .venv/bin/python -c "import edgc, torch, pytest, importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ('tensorboard', 'lightning', 'transformers', 'accelerate')))" 2>/dev/null; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "${EDGC_TORCH:-torch==2.13.0}"
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,tensorboard]"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,tensorboard,lightning,hf]"
 fi

@@ -420,3 +420,30 @@ def torch_powersgd_resume_check(rank: int, world: int, n: int) -> dict:
         "saved_layout": saved_layout, "resumed_layouts": layouts(seen, n),
         "cut": cut, "saved_error": saved_error,
     }
+
+
+def replicas_check(rank: int, world: int, out: str) -> dict:
+    """edgc.checkpoint on every replica: gather to 1 and to all, scatter back, a file
+    round trip, and a list of the wrong length given to scatter (every replica must
+    raise, none may wait)."""
+    from edgc.checkpoint import gather_states, load_states, restore_state, save_states
+
+    config = EDGCConfig(warmup_steps=1, window=2, max_rank=4, min_rank=2, warmup_error_check=False)
+    model, ddp, state, opt = _make(config)
+    _train(ddp, opt, state, rank, 0, 3)
+    on_one = gather_states(state, dst=1)
+    on_all = gather_states(state, dst=None)
+    fresh = EDGCState(None, config)
+    restore_state(fresh, on_one, src=1)  # (rank 0 passes None: it gets its own from rank 1)
+    scattered = fresh.state_dict()
+    save_states(state, out, step=3)
+    dist.barrier()  # (rank 0 has written the file)
+    from_file = EDGCState(None, config)
+    load_states(from_file, out, step=3)
+    try:
+        restore_state(EDGCState(None, config), on_all[:1] if rank == 0 else None, src=0)
+        wrong_length = "no error"
+    except ValueError as exc:
+        wrong_length = str(exc)
+    return {"mine": state.state_dict(), "on_one": on_one, "on_all": on_all, "scattered": scattered,
+            "from_file": from_file.state_dict(), "wrong_length": wrong_length}

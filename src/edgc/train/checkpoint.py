@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from edgc.checkpoint import verify_checksums
 from edgc.data.atomic import atomic_write
 
 FORMAT = "edgc-checkpoint"
@@ -57,17 +58,6 @@ def kept_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _verify_crc(path: Path) -> None:
-    """Raise ValueError if a record of the checkpoint's zip archive fails its CRC-32."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
-    if bad is not None:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt: its record {bad!r} fails its checksum (CRC-32)")
-
-
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint; raises FileNotFoundError or ValueError with what is wrong."""
     path = Path(path)
@@ -77,7 +67,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}; a run folder holds {CHECKPOINT_NAME} once "
                                 f"it has reached its first checkpoint step")
     try:
-        _verify_crc(path)
+        verify_checksums(path)
     except ValueError as exc:
         older = [p.name for p in kept_checkpoints(path.parent) if not os.path.samefile(p, path)]
         hint = (f"; older checkpoints kept beside it: {', '.join(older)} (resume from one with "

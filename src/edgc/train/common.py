@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from edgc.comm.replicas import replica_entry
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
 
@@ -89,13 +90,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def restore_rank(ckpt: dict[str, Any], rank: int, weights: dict[str, Any], module: torch.nn.Module,
+def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
                  opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator) -> int:
     """Load `weights` ({"model", "optimizer"}) and this rank's compression state, batch
     generator and RNG from a checkpoint; returns the step it was taken at."""
     module.load_state_dict(weights["model"])
     opt.load_state_dict(weights["optimizer"])
-    mine = ckpt["replicas"][rank]
+    mine = replica_entry(ckpt["replicas"])
     hook_state.load_state_dict(mine["comm"])
     gen.set_state(mine["generator"])
     torch.set_rng_state(mine["torch_rng"])

@@ -34,6 +34,7 @@ from edgc.comm import EDGCState, edgc_hook
 from edgc.comm.activation import ActivationGradCompressor, Carrier, Unpack
 from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
+from edgc.comm.replicas import gather_replicas, replica_entry
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch
 from edgc.data.atomic import atomic_write
@@ -266,9 +267,9 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         ckpt = load_checkpoint(resume)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=(layout.pp, layout.dp))
-        start = restore_rank(ckpt, rank, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)
+        start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)
         if stage_mod.compressor is not None:
-            stage_mod.compressor.load_state_dict(ckpt["replicas"][rank]["activation"])
+            stage_mod.compressor.load_state_dict(replica_entry(ckpt["replicas"])["activation"])
         del ckpt
 
     writer = MetricsWriter.for_run(cfg, resume_step=start if resume else None) if rank == 0 else None
@@ -434,9 +435,7 @@ def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Lay
     if layout.replica == 0:
         mine["stage"] = {"model": {k: v.cpu() for k, v in stage_mod.state_dict().items()},
                          "optimizer": opt.state_dict()}
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    # collective: gather of each rank's pickled state to rank 0
-    dist.gather_object(mine, gathered, dst=0)
+    gathered = gather_replicas(mine, dst=0)  # (every rank's state to rank 0: edgc.comm.replicas)
     if rank == 0:
         assert gathered is not None
         stages = [gathered[p * layout.dp]["stage"] for p in range(layout.pp)]

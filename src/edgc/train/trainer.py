@@ -35,6 +35,7 @@ from edgc.comm.baselines import (
     allreduce_hook,
     torch_powersgd_hook,
 )
+from edgc.comm.replicas import gather_replicas
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.data.corpus import BUILTIN_CORPUS_VERSION
@@ -370,7 +371,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         ckpt = load_checkpoint(resume)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world))
-        start = restore_rank(ckpt, rank, ckpt, model, opt, hook_state, gen)
+        start = restore_rank(ckpt, ckpt, model, opt, hook_state, gen)
         precision.load_state_dict(ckpt.get("scaler"))
         del ckpt
     precision.tell(hook_state)
@@ -450,9 +451,8 @@ def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, preci
     """Gather every replica's compression state to rank 0, which writes atomically, unless
     the model is not finite (the last good checkpoint is kept)."""
     mine = {"comm": hook_state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    # collective: gather of each replica's pickled state (error feedback, Q, RNG) to rank 0
-    dist.gather_object(mine, gathered, dst=0)
+    # (every replica's state, error feedback, Q and RNG, to rank 0: edgc.comm.replicas)
+    gathered = gather_replicas(mine, dst=0)
     if rank == 0 and not guard.may_save(step, model.state_dict()):
         logger.warning("step %d: no checkpoint written, the model is not finite (the last good one, step %s, "
                        "is kept)", step, guard.checkpoint_step)

@@ -1,0 +1,147 @@
+"""Checkpoint every replica's EDGC state, with any training loop or framework.
+
+Error feedback is each replica's own (it holds what that replica's gradient lost to
+compression), so a checkpoint must hold every replica's state and give each replica
+its own back; EDGCState.load_state_dict refuses another replica's. Frameworks save what
+rank 0 holds, so the states are gathered there first:
+
+    states = gather_states(state)          # every replica calls; a list on rank 0, None elsewhere
+    ...put `states` into the framework's checkpoint (rank 0 writes it)...
+    restore_state(state, states)           # on resume, every replica, before the first step
+
+or, as a file beside the framework's own checkpoint folder:
+
+    save_states(state, folder)             # every replica calls; rank 0 writes folder/edgc_state.pt
+    load_states(state, folder)             # every replica reads its own entry
+
+A job of another world size gets a ValueError that says both sizes. The functions work
+with any hook state that has state_dict() and load_state_dict() (the baselines in
+edgc.comm.baselines too); the collectives are in edgc.comm.replicas.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas
+from edgc.data.atomic import atomic_write
+
+__all__ = ["FILE_NAME", "gather_states", "load_states", "read_states", "restore_state", "save_states",
+           "verify_checksums"]
+
+FILE_NAME = "edgc_state.pt"
+_FORMAT = "edgc-replica-states"
+_VERSION = 1
+
+
+def _group(state: Any) -> Any:
+    return getattr(state, "process_group", None)
+
+
+def gather_states(state: Any, *, dst: int | None = 0) -> list[dict[str, Any]] | None:
+    """Every replica's `state.state_dict()`, in rank order within the state's process
+    group: on the replica of group rank `dst` (None on the others), or on every replica
+    with dst=None. A collective that every replica must call; changes nothing."""
+    return gather_replicas(state.state_dict(), dst=dst, group=_group(state))
+
+
+def restore_state(state: Any, states: list[dict[str, Any]] | None, *, src: int | None = None) -> None:
+    """Load this replica's own entry of `states` (as gather_states returned them) into
+    `state`; call it before the first training step.
+
+    src=None: every replica holds the whole list (each read the checkpoint). src=r: only
+    replica r holds it, the others pass None, and it is scattered (a collective).
+    Raises ValueError when the list is from a job of another world size.
+    """
+    if src is None:
+        mine = replica_entry(states, group=_group(state), what="the EDGC checkpoint")
+    else:
+        mine = scatter_replicas(states, src=src, group=_group(state))
+    state.load_state_dict(mine)
+
+
+def save_states(state: Any, folder: str | Path, *, step: int | None = None) -> Path | None:
+    """Gather every replica's state and write them to `folder`/edgc_state.pt, atomically
+    (temporary file, then rename), from group rank 0. A collective that every replica
+    must call. `step` is recorded for load_states to check. Returns the file's path on
+    the writing replica, None on the others."""
+    states = gather_states(state, dst=0)
+    if states is None:
+        return None
+    path = Path(folder) / FILE_NAME
+    buf = io.BytesIO()
+    torch.save({"format": _FORMAT, "version": _VERSION, "world_size": len(states), "step": step,
+                "replicas": states}, buf)
+    with atomic_write(path) as f:
+        f.write(buf.getbuffer())
+    return path
+
+
+def read_states(folder: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """The contents of `folder`/edgc_state.pt (or of the file `folder`): {"world_size",
+    "step", "replicas"}; raises FileNotFoundError or ValueError saying what is wrong.
+
+    mmap=True maps the tensors from the file instead of reading them, so that a replica
+    that reads every replica's states holds only the pages of the entry it uses. Copy
+    what you keep: a mapped file rewritten in place (not replaced, as save_states does)
+    kills the reading process with SIGBUS.
+    """
+    path = Path(folder)
+    if path.is_dir():
+        path = path / FILE_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no EDGC state at {str(path)!r}: it is written beside a checkpoint by "
+                                f"edgc.checkpoint.save_states (or an edgc integration) when the checkpoint is saved")
+    verify_checksums(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise ValueError(f"EDGC state {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise ValueError(f"{str(path)!r} is not an EDGC state file (written by edgc.checkpoint.save_states)")
+    if data.get("version") != _VERSION:
+        raise ValueError(f"EDGC state {str(path)!r} has version {data.get('version')}, this edgc reads {_VERSION}")
+    return data
+
+
+def load_states(state: Any, folder: str | Path, *, step: int | None = None) -> None:
+    """Load this replica's own state from `folder`/edgc_state.pt (save_states' file) into
+    `state`; every replica reads the file. With `step`, the file must have been saved at
+    that step (a check that the folder belongs to the checkpoint being resumed).
+    Raises ValueError on a corrupt file, another world size or another step."""
+    data = read_states(folder, mmap=True)  # (copied below: only this replica's entry is read)
+    if step is not None and data.get("step") is not None and int(data["step"]) != step:
+        raise ValueError(f"the EDGC state in {str(folder)!r} was saved at step {data['step']}, and training "
+                         f"resumes at step {step}")
+    mine = replica_entry(data["replicas"], group=_group(state), what=f"the EDGC state file in {str(folder)!r}")
+    state.load_state_dict(_own_copy(mine))
+
+
+def _own_copy(obj: Any) -> Any:
+    """`obj` with its tensors copied into memory (out of the memory-mapped file, which a
+    later save may replace)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _own_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_own_copy(v) for v in obj)
+    return obj
+
+
+def verify_checksums(path: str | Path) -> None:
+    """Raise ValueError if a record of torch.save's zip archive at `path` fails its CRC-32
+    (a flipped byte in tensor data is an error here, not a NaN loss some steps later)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(f"checkpoint {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
+    if bad is not None:
+        raise ValueError(f"checkpoint {str(path)!r} is corrupt: its record {bad!r} fails its checksum (CRC-32)")

@@ -1,0 +1,47 @@
+"""Thin adapters for the training frameworks users already run.
+
+- `edgc.integrations.lightning`: `EDGCCallback` for a Lightning Trainer
+  (`pip install "edgc[lightning]"`).
+- `edgc.integrations.hf`: `EDGCTrainerCallback` for the Trainer from transformers, and
+  `register_edgc` for an Accelerate `Accelerator` (`pip install "edgc[hf]"`).
+
+Each adapter does what a user would otherwise write by hand: register edgc_hook once
+the process group and the DDP wrapper exist, keep every replica's EDGC state in the
+framework's checkpoint and give each replica its own back (edgc.checkpoint), and send
+the stats to the framework's logs. Each is importable only when its framework is
+installed; this package itself imports none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+from edgc.comm.hook import EDGCStats
+
+__all__ = ["log_values"]
+
+
+def log_values(stats: EDGCStats, prefix: str = "edgc/") -> dict[str, float]:
+    """The stats a training log shows, as floats keyed `prefix` + name: the rank the last
+    step was sent at (0: uncompressed), whether it was compressed (1.0) or not (0.0),
+    the replica-averaged entropy (left out before the first estimate), the compression
+    ratio so far (bytes plain all-reduce would have sent / bytes sent) and bytes sent."""
+    values = {
+        "rank": float(stats.step_rank),
+        "compressing": 1.0 if stats.step_phase == "compress" else 0.0,
+        "compression_ratio": stats.compression_ratio,
+        "bytes_sent": float(stats.bytes_sent),
+    }
+    if math.isfinite(stats.entropy):
+        values["entropy"] = stats.entropy
+    return {prefix + k: v for k, v in values.items()}
+
+
+def _require(module: str, extra: str, what: str) -> None:
+    """Import `module`, or raise ImportError saying which extra installs it."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{what} needs {module!r}, which could not be imported ({exc}); install it with: "
+                          f"pip install \"edgc[{extra}]\"") from exc
