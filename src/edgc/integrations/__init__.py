@@ -15,11 +15,14 @@ installed; this package itself imports none.
 from __future__ import annotations
 
 import importlib
-import math
 
 from edgc.comm.hook import EDGCStats
 
 __all__ = ["log_values"]
+
+
+#: The EDGCStats.scalars() a framework's log shows each step.
+_LOGGED = ("rank", "compressing", "compression_ratio", "bytes_sent", "entropy")
 
 
 def log_values(stats: EDGCStats, prefix: str = "edgc/") -> dict[str, float]:
@@ -27,15 +30,8 @@ def log_values(stats: EDGCStats, prefix: str = "edgc/") -> dict[str, float]:
     step was sent at (0: uncompressed), whether it was compressed (1.0) or not (0.0),
     the replica-averaged entropy (left out before the first estimate), the compression
     ratio so far (bytes plain all-reduce would have sent / bytes sent) and bytes sent."""
-    values = {
-        "rank": float(stats.step_rank),
-        "compressing": 1.0 if stats.step_phase == "compress" else 0.0,
-        "compression_ratio": stats.compression_ratio,
-        "bytes_sent": float(stats.bytes_sent),
-    }
-    if math.isfinite(stats.entropy):
-        values["entropy"] = stats.entropy
-    return {prefix + k: v for k, v in values.items()}
+    scalars = stats.scalars()
+    return {prefix + name: scalars[name] for name in _LOGGED if name in scalars}
 
 
 def _require(module: str, extra: str, what: str) -> None:
