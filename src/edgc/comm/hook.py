@@ -38,6 +38,7 @@ synchronisation is added to a step to time it.
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
+import collections
 import logging
 import math
 import os
@@ -151,6 +152,10 @@ def _dtype_order(dtypes: Any) -> list[torch.dtype]:
     return sorted(set(dtypes), key=str)
 
 
+#: How many of the latest collectives' handles a state keeps (EDGCState._recent_works).
+_RECENT_WORKS = 256
+
+
 class EDGCState:
     """All mutable state of the EDGC hook, grouped by role as in torch's PowerSGDState.
 
@@ -217,6 +222,11 @@ class EDGCState:
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
         self._comm = LapSum()  # inside collectives, waiting included
+        # The latest collectives' handles, kept so that gloo's threads never drop the last
+        # reference to a finished collective: if a thread did, at interpreter shutdown,
+        # the process would abort ("terminate called without an active exception") after
+        # training finished. Held here, they are freed by Python, with the GIL.
+        self._recent_works: collections.deque = collections.deque(maxlen=_RECENT_WORKS)
         self._entropy = LapSum()  # sampling and estimation
         self._busy = LapSum()  # whole syncs; compression is the rest
         self.nonfinite_steps = 0
@@ -954,8 +964,10 @@ class EDGCState:
             tensor.copy_(moved.cpu())
             self._comm.add(lap.stop())
             return _Issued(None, None)
-        work = dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True)
+        self._recent_works.append(work)
         if not async_op:
+            work.wait()
             self._comm.add(lap.stop())
             return _Issued(None, None)
         return _Issued(work, lap)
