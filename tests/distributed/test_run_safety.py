@@ -20,6 +20,11 @@ from edgc.train.metrics import read_metrics
 from edgc.train.runfolder import LOCK_NAME
 
 
+#: The run the restart tests interrupt, and train straight through to compare against.
+RESTARTED_RUN = ["--steps", "24", "--checkpoint-every", "6", "--eval-every", "12", "--method", "powersgd",
+                 "--edgc-warmup-steps", "3"]
+
+
 def _args(data, out, *extra):
     return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
             "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
@@ -123,8 +128,7 @@ def test_second_writer_is_refused_and_workers_die_with_a_killed_launcher(tmp_pat
 
 @pytest.mark.slow
 def test_kill_one_worker_then_the_job_restarts_and_ends_as_an_uninterrupted_run(tmp_path, data_dir):
-    common = ["--steps", "24", "--checkpoint-every", "6", "--eval-every", "12", "--method", "powersgd",
-              "--edgc-warmup-steps", "3"]
+    common = RESTARTED_RUN
     assert main(_args(data_dir, tmp_path / "straight", *common)) == 0
     run = tmp_path / "restarted"
     proc = _start(*_args(data_dir, run, *common, "--max-restarts", "1", "--keep-checkpoints", "3"), cwd=tmp_path)
@@ -221,8 +225,7 @@ def test_new_run_refuses_a_folder_with_metrics_unless_overwrite(tmp_path, data_d
 def test_torchrun_restarts_with_auto_resume_and_ends_as_an_uninterrupted_run(tmp_path, data_dir):
     from edgc.train.launch import free_port
 
-    common = ["--steps", "24", "--checkpoint-every", "6", "--eval-every", "12", "--method", "powersgd",
-              "--edgc-warmup-steps", "3"]
+    common = RESTARTED_RUN
     assert main(_args(data_dir, tmp_path / "straight", *common)) == 0
     run = tmp_path / "restarted"
     proc = subprocess.Popen(

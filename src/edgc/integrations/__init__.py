@@ -15,8 +15,12 @@ installed; this package itself imports none.
 from __future__ import annotations
 
 import importlib
+import logging
+from typing import Any
 
-from edgc.comm.hook import EDGCStats
+from edgc.comm.hook import EDGCState, EDGCStats, edgc_hook
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["log_values"]
 
@@ -32,6 +36,27 @@ def log_values(stats: EDGCStats, prefix: str = "edgc/") -> dict[str, float]:
     ratio so far (bytes plain all-reduce would have sent / bytes sent) and bytes sent."""
     scalars = stats.scalars()
     return {prefix + name: scalars[name] for name in _LOGGED if name in scalars}
+
+
+def _register(ddp: Any, state: EDGCState, world_size: int, who: str, *, wrapper_hint: str,
+              unused_hint: str) -> bool:
+    """Register edgc_hook on `ddp`, the framework's DDP wrapper; returns False (with a
+    warning) for a single process that has no DDP wrapper, and raises for any other
+    wrapper. `wrapper_hint` and `unused_hint` say how to fix the wrapper and how to turn
+    off find_unused_parameters in the caller's framework."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        if world_size > 1:
+            raise TypeError(f"{who} compresses DDP's gradient all-reduce, and the model is wrapped in "
+                            f"{type(ddp).__name__}; {wrapper_hint}")
+        logger.warning("%s: a single process without DDP sends no gradients, so EDGC does nothing", who)
+        return False
+    if ddp.find_unused_parameters:
+        logger.warning("%s: DDP has find_unused_parameters=True, which costs a graph traversal per step; EDGC needs "
+                       "every parameter's gradient at every step anyway (%s)", who, unused_hint)
+    ddp.register_comm_hook(state, edgc_hook)
+    return True
 
 
 def _require(module: str, extra: str, what: str) -> None:

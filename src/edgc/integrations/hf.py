@@ -41,7 +41,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from edgc.integrations import _require, log_values
+from edgc.integrations import _register, _require, log_values
 
 _require("transformers", "hf", "edgc.integrations.hf")
 _require("accelerate", "hf", "edgc.integrations.hf")
@@ -49,11 +49,10 @@ _require("accelerate", "hf", "edgc.integrations.hf")
 import torch.distributed as dist  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DDPCommunicationHookType  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 from edgc.checkpoint import FILE_NAME, load_states, save_states  # noqa: E402
-from edgc.comm import EDGCState, edgc_hook  # noqa: E402
+from edgc.comm import EDGCState  # noqa: E402
 from edgc.config import EDGCConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -61,21 +60,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["EDGCTrainerCallback", "register_edgc"]
 
 
-def _register(ddp: Any, state: EDGCState, world_size: int, who: str) -> bool:
-    """Register edgc_hook on `ddp`; returns False (with a warning) for a single process
-    that has no DDP wrapper, and raises for any other wrapper."""
-    if not isinstance(ddp, DistributedDataParallel):
-        if world_size > 1:
-            raise TypeError(f"{who} compresses DDP's gradient all-reduce, and the model is wrapped in "
-                            f"{type(ddp).__name__}, not DistributedDataParallel (FSDP and DeepSpeed are not supported)")
-        logger.warning("%s: a single process without DDP sends no gradients, so EDGC does nothing", who)
-        return False
-    if ddp.find_unused_parameters:
-        logger.warning("%s: DDP has find_unused_parameters=True, which costs a graph traversal per step; EDGC needs "
-                       "every parameter's gradient at every step anyway (set ddp_find_unused_parameters=False in "
-                       "TrainingArguments, or find_unused_parameters=False in DistributedDataParallelKwargs)", who)
-    ddp.register_comm_hook(state, edgc_hook)
-    return True
+#: How a Trainer or Accelerate user fixes what edgc.integrations._register refuses or warns of.
+_HINTS = {
+    "wrapper_hint": "not DistributedDataParallel (FSDP and DeepSpeed are not supported)",
+    "unused_hint": "set ddp_find_unused_parameters=False in TrainingArguments, or find_unused_parameters=False in "
+                   "DistributedDataParallelKwargs",
+}
 
 
 # ---------------------------------------------------------------------------- Accelerate
@@ -96,7 +86,7 @@ def register_edgc(accelerator: Accelerator, model: Any, config: EDGCConfig | Non
         raise ValueError(f"DistributedDataParallelKwargs(comm_hook={handler.comm_hook}) already registers a hook on "
                          "this model; drop it (register_edgc registers edgc_hook)")
     state = EDGCState(process_group, config)
-    if not _register(model, state, accelerator.num_processes, "register_edgc"):
+    if not _register(model, state, accelerator.num_processes, "register_edgc", **_HINTS):
         return state
 
     def save(models: list[Any], weights: list[Any], folder: str) -> None:
@@ -155,7 +145,7 @@ class EDGCTrainerCallback(TrainerCallback):
             self._resume(args, state.global_step)
         if trainer.model_wrapped is self._ddp:
             return  # (a second train() on the same wrapper)
-        _register(trainer.model_wrapped, self.state, args.world_size, "EDGCTrainerCallback")
+        _register(trainer.model_wrapped, self.state, args.world_size, "EDGCTrainerCallback", **_HINTS)
         self._ddp = trainer.model_wrapped
 
     def _resume(self, args: TrainingArguments, step: int) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from edgc.integrations import _require, log_values
+from edgc.integrations import _register, _require, log_values
 
 _require("lightning", "lightning", "edgc.integrations.lightning")
 
@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from edgc.checkpoint import gather_states, restore_state  # noqa: E402
-from edgc.comm import EDGCState, edgc_hook  # noqa: E402
+from edgc.comm import EDGCState  # noqa: E402
 from edgc.config import EDGCConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -69,22 +69,14 @@ class EDGCCallback(L.Callback):
         ddp = trainer.strategy.model
         if ddp is self._ddp:
             return  # (a second fit() on the same wrapper)
-        if not isinstance(ddp, DistributedDataParallel):
-            if trainer.world_size > 1:
-                raise TypeError(f"EDGCCallback compresses DDP's gradient all-reduce, and the "
-                                f"{type(trainer.strategy).__name__} strategy wraps the model in {type(ddp).__name__}; "
-                                "use strategy='ddp' (or another DDPStrategy)")
-            logger.warning("EDGCCallback: a single process without DDP sends no gradients, so EDGC does nothing")
-            return
-        if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+        if isinstance(ddp, DistributedDataParallel) and getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
             raise ValueError("DDPStrategy(ddp_comm_hook=...) and EDGCCallback would both register a communication "
                              "hook; drop ddp_comm_hook (EDGCCallback registers edgc_hook on every device)")
-        if ddp.find_unused_parameters:
-            logger.warning("EDGCCallback: DDP has find_unused_parameters=True, which costs a graph traversal per "
-                           "step; EDGC needs every parameter's gradient at every step anyway "
-                           "(use strategy='ddp', whose default is False)")
-        ddp.register_comm_hook(self.state, edgc_hook)
-        self._ddp = ddp
+        if _register(ddp, self.state, trainer.world_size, "EDGCCallback",
+                     wrapper_hint=f"the {type(trainer.strategy).__name__} strategy is not DDP; use strategy='ddp' "
+                                  "(or another DDPStrategy)",
+                     unused_hint="use strategy='ddp', whose default is False"):
+            self._ddp = ddp
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
