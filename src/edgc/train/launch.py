@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing as mp
@@ -136,6 +137,10 @@ def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, thread
     with open(tmp, "wb") as f:
         pickle.dump(result, f)
     os.replace(tmp, os.path.join(out_dir, f"{rank}.pkl"))
+    if result[0] == "error":
+        # (reported already; a group left alive at shutdown would add gloo's abort to it)
+        with contextlib.suppress(Exception):
+            end_process_group()
 
 
 _TEMP_PREFIX = "edgc-workers-"
