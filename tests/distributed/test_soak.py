@@ -11,9 +11,9 @@ import pytest
 from edgc.cli import main
 
 
-def _soak(capsys, runs, steps, mode="pipelined"):
+def _soak(capsys, runs, steps, mode="pipelined", extra=()):
     code = main(["bench", "soak", "--runs", str(runs), "--nproc", "4", "--bucket-cap-mb", "0.05",
-                 "--steps", str(steps), "--sync-mode", mode, "--timeout", "600"])
+                 "--steps", str(steps), "--sync-mode", mode, "--timeout", "600", *extra])
     out = capsys.readouterr().out
     row = re.search(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
     assert row, out
@@ -25,7 +25,7 @@ def _soak(capsys, runs, steps, mode="pipelined"):
 
 
 def test_quick_soak_pipelined(capsys):
-    _soak(capsys, runs=2, steps=12)
+    _soak(capsys, runs=2, steps=10, extra=["--block", "32", "--batch", "2"])
 
 
 @pytest.mark.slow
