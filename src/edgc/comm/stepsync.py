@@ -211,7 +211,6 @@ class _Round:
     q_flats: list[torch.Tensor] = field(default_factory=list)
     works: list[Any] = field(default_factory=list)  # EDGCState._Issued of the collectives in flight
     call: int = 0  # the hook call that issued them
-    lap: Lap | None = None  # from its start (for the r_max calibration's uncompressed time)
 
 
 class StepSync:
@@ -504,8 +503,8 @@ class StepSync:
                 eps = relative_lowrank_error(mats, [state.r_min, state.r_max])
             control[EPS_MIN], control[EPS_MAX] = eps
         state._entropy.add(lap.stop())
-        # collective: all-reduce SUM of 4 float64 values (32 bytes), after the gradient's
-        # first collectives and waited for at the end of the step
+        # collective: all-reduce SUM of 4 float64 values (32 bytes), issued at the last bucket
+        # (pipelined: after every unit's P) and waited for at the end of the step
         return control, state._all_reduce(control, async_op=True, device_copy=state.device)
 
     def _commit(self) -> bool:
