@@ -87,8 +87,6 @@ _VERSION = 1  # (version-1 states written before "replica" existed load without 
 _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
                   "groups", "generator", "controller", "gate", "calibration", "stats")
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
-_HALF = (torch.float16, torch.bfloat16)
-
 
 
 @dataclass
@@ -108,7 +106,7 @@ class EDGCStats:
     compress_seconds: float  # local compression arithmetic (P, Q, orthogonalisation, EF)
     comm_seconds: float  # time spent waiting for collectives (pipelined: the part the backward pass did not hide)
     entropy_seconds: float  # sampling and entropy estimation
-    nonfinite_steps: int  # steps whose gradient had inf/nan and passed through uncompressed
+    nonfinite_steps: int  # compressed steps whose gradient had inf/nan (sent on; EF and Q kept as they were)
     compressed_steps: int  # steps synchronised with low-rank compression
 
     @property
