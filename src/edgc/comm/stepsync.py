@@ -317,9 +317,12 @@ class StepSync:
         self.groups = groups
         self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
         self.next_q: dict[int, torch.Tensor] = {}
-        # (2, groups) float64 sums of the per-group policies, added to the window's at the commit
+        # (2, groups) float64 sums of the per-group policies, added to the window's at the
+        # commit: "budget" every step, "spectral" on sampled steps
+        policy = state.config.policy
         self.sums = (torch.zeros(2, len(groups), dtype=torch.float64, device=state.device)
-                     if groups and state.config.policy in ("budget", "spectral") else None)
+                     if groups and (policy == "budget" or (policy == "spectral" and is_sampled_step(
+                         info.step, state.config.iteration_sample_rate))) else None)
 
     def _arrive(self, b: int, slots: tuple[int, ...], buffer: torch.Tensor) -> None:
         """Bucket b's gradient is here: note it, and sample it before it is averaged."""
@@ -445,17 +448,11 @@ class StepSync:
         if info.compressed and not r.parts:
             for flat in (f for f, _ in r.flats):
                 self.ok &= torch.isfinite(flat).all()
-        spectral = (self.sums is not None and state.config.policy == "spectral"
-                    and is_sampled_step(info.step, state.config.iteration_sample_rate))
         for part in r.parts:
             g, index = part.plan.group, part.plan.index
             if part.q_send is not part.q:
                 part.q.copy_(part.q_send)
             part.q.div_(state.world_size)
-            if spectral:
-                # Q is the replicas' average: the same spectrum everywhere (local work, no collective)
-                e = effective_ranks(part.q)
-                self.sums[:, part.plan.column] += torch.stack([e.nan_to_num(0.0).sum(), e.isfinite().sum().double()])
             m_hat = reconstruct(part.p, part.q)  # (B', m, n), working dtype
             for i, s in enumerate(part.plan.slots):
                 self.grads[s].copy_(m_hat[i].view(self.grads[s].shape))
@@ -516,6 +513,12 @@ class StepSync:
         if not flags[0]:
             state.nonfinite_steps += 1
             return False
+        if self.sums is not None and state.config.policy == "spectral":
+            # Q is the replicas' average: the same spectrum everywhere (local work, no collective;
+            # once per group here, as eigvalsh waits for the device)
+            for c in range(len(self.groups)):
+                e = effective_ranks(self.next_q[c])  # (B,)
+                self.sums[:, c] += torch.stack([e.nan_to_num(0.0).sum(), e.isfinite().sum().double()])
         for c, g in enumerate(self.groups):
             if g.error is not None:
                 g.error = self.next_error[c]
