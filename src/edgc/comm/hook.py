@@ -841,7 +841,7 @@ class EDGCState:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         if self.world_size == 1:
             return _Issued(None)
-        lap = start_lap(self.device)
+        lap = None if async_op else start_lap(self.device)
         back = None
         if device_copy is not None and device_copy.type != "cpu":
             back, tensor = (tensor.to(device_copy), tensor), None
