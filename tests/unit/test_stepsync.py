@@ -124,3 +124,37 @@ def test_a_late_nonfinite_bucket_leaves_error_feedback_and_q_as_they_were(mode):
     assert not bool(torch.isfinite(out[0]).all())  # the optimiser sees it and skips
     for key, g in state.groups.items():
         assert torch.equal(g.error, ref.groups[key].error) and torch.equal(g.q, ref.groups[key].q)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy,rank", [("static", 2), ("static", 4), ("cqm", 4), ("budget", 4), ("spectral", 4)])
+def test_no_host_sync_before_the_last_bucket_on_cuda(policy, rank):
+    # One replica (the collectives are skipped, the arithmetic is not): with CUDA's sync
+    # debug mode on "error", any host synchronisation inside a bucket's hook call but the
+    # last raises. Units are cut across groups, so both kinds of part run.
+    device = torch.device("cuda")
+    params = [p.to(device) for p in _params()]
+    cfg = dict(STATIC, policy=policy, max_rank=rank, iteration_sample_rate=1.0, window=2,
+               min_compression_rate=0.5)  # (every matrix compressed at rank 4 too)
+    if policy != "static":
+        cfg["min_rank"] = 1
+    state = EDGCState(None, EDGCConfig(**cfg))
+    layout = [[6, 5], [4, 3], [2, 1], [0]]
+    for step in range(1, 9):
+        state._units = [(0, 2), (6, 4, 1), (3, 5)] if step == 2 else state._units
+        grads = [g.to(device) for g in _grads(step)]
+        cut = [list(range(len(SHAPES)))] if step == 1 else layout
+        buckets = [FlatBucket(i, torch.cat([grads[s].reshape(-1) for s in b]), [params[s] for s in b],
+                              i == len(cut) - 1) for i, b in enumerate(cut)]
+        futures = []
+        for b in buckets:
+            guarded = step >= 4 and not b.is_last()  # (after the units' plans were made once)
+            torch.cuda.set_sync_debug_mode("error" if guarded else "default")
+            try:
+                futures.append(edgc_hook(state, b))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for f in futures:
+            assert bool(torch.isfinite(f.wait()).all())
+    assert state.stats().compressed_steps == 7 and len(state.groups) == 2
