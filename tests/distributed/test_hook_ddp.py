@@ -43,7 +43,7 @@ def test_nonfinite_gradient_passes_through_without_poisoning_buffers():
     cfg = dict(DYNAMIC)
     out = run_workers(workers.nonfinite_check, 2, cfg, 10, 20, timeout=240)
     for r in out:
-        assert r["skipped"] == 1  # both replicas saw the inf average and skipped the step
+        assert r["skipped"] == 1  # both replicas saw a non-finite average and skipped the step
         assert r["buffers_finite"] is True
         assert r["stats"].nonfinite_steps == 1
         assert bool(torch.isfinite(r["params"]).all())
