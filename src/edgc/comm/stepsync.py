@@ -52,11 +52,14 @@ alike. The average of such a step is non-finite too (an inf or nan in a P sum sp
 its whole matrix through the orthogonalisation), the same on every replica, and the
 optimiser or GradScaler skips it.
 
-Host reads and blocking. Nothing is read to the host per bucket. Per step: the end-of-step
-flag (with the count of all-zero Q matrices to redraw), and on sampled steps the entropy
-estimate. The entropy, warm-up errors and local finiteness that replicas must agree on
-travel in a control all-reduce issued at the last bucket, after the gradient's own
-collectives, and waited for in the drain: nothing extra blocks the backward pass.
+Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
+last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
+to redraw), and on sampled steps this replica's finiteness, the entropy estimate and (the
+"spectral" policy) each group's effective ranks. The values replicas must agree on
+(entropy, warm-up errors, finiteness) travel in a control all-reduce issued at the last
+bucket and waited for at the end of the drain: nothing extra blocks the backward pass.
+On CUDA every collective runs on the backend's stream and `wait` only orders the current
+stream after it; no side stream of our own is used, so there are no events to record.
 """
 
 from __future__ import annotations
