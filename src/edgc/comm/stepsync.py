@@ -58,8 +58,9 @@ to redraw), and on sampled steps this replica's finiteness, the entropy estimate
 "spectral" policy) each group's effective ranks. The values replicas must agree on
 (entropy, warm-up errors, finiteness) travel in a control all-reduce issued at the last
 bucket and waited for at the end of the drain: nothing extra blocks the backward pass.
-On CUDA every collective runs on the backend's stream and `wait` only orders the current
-stream after it; no side stream of our own is used, so there are no events to record.
+On CUDA with NCCL every collective runs on NCCL's stream and `wait` only orders the
+current stream after it (gloo, which copies CUDA tensors through the host, blocks); the
+hook's arithmetic runs on the current stream, with no side stream and so no events to record.
 """
 
 from __future__ import annotations
