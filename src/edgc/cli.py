@@ -266,19 +266,20 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from edgc.bench import comm, pareto, train
+    from edgc.bench import comm, pareto, soak, train
 
     p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster")
     kinds = p.add_subparsers(dest="bench", required=True)
     comm.add_parser(kinds)
     train.add_parser(kinds)
     pareto.add_parser(kinds)
+    soak.add_parser(kinds)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from edgc.bench import comm, pareto, train
+    from edgc.bench import comm, pareto, soak, train
 
-    return {"comm": comm.run, "train": train.run, "pareto": pareto.run}[args.bench](args)
+    return {"comm": comm.run, "train": train.run, "pareto": pareto.run, "soak": soak.run}[args.bench](args)
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

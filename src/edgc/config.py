@@ -33,6 +33,8 @@ POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule")
 #: Policies that set one rank per group of same-shape matrices.
 GROUP_POLICIES = ("budget", "spectral")
 WARMUP_ERROR_NORMS = ("relative", "l1")
+#: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
+SYNC_MODES = ("pipelined", "whole-step")
 
 #: The largest rank any config takes (max_rank, min_rank, a run's rank): above every
 #: matrix side of the presets (the widest: GPT-2's 50257-token embedding), and small
@@ -57,7 +59,7 @@ class EDGCConfig:
     #: The values each text field may take (validate checks them; the CLI lists them).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "policy": POLICIES, "entropy_estimator": ESTIMATORS, "cqm_method": CQM_METHODS,
-        "warmup_error_norm": WARMUP_ERROR_NORMS,
+        "warmup_error_norm": WARMUP_ERROR_NORMS, "sync_mode": SYNC_MODES,
     }
     #: Placeholders for values that are not plain text (the CLI's help shows them).
     METAVARS: ClassVar[dict[str, str]] = {"rank_schedule": "STEP:RANK,..."}
@@ -171,6 +173,16 @@ class EDGCConfig:
 
     seed: int = 0
     """Seed of the replica-identical generator that draws Q columns, in [0, 2**32)."""
+
+    sync_mode: str = "pipelined"
+    """When the hook communicates (edgc.comm.stepsync): "pipelined" starts each DDP
+    bucket's all-reduce as soon as DDP hands the bucket over and finishes the bucket
+    before it meanwhile (a fixed lag of one bucket, so that every replica issues the same
+    collectives in the same order), overlapping the sync with the backward pass;
+    "whole-step" waits for the last bucket and synchronises the whole gradient at once:
+    no overlap, but the fewest collectives (the default of pipeline stages, whose sync
+    runs after their backward pass anyway). Both give the same average up to float
+    reassociation."""
 
     def __post_init__(self) -> None:
         self.validate()

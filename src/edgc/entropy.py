@@ -37,6 +37,8 @@ __all__ = [
     "histogram_entropy",
     "is_sampled_step",
     "sample_gradient",
+    "sample_into",
+    "sample_offsets",
     "sample_stride",
 ]
 
@@ -64,6 +66,25 @@ def _working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def sample_offsets(numels: Sequence[int], rate: float) -> list[int]:
+    """Return where each tensor's sample starts in `sample_gradient`'s output, and its end:
+    len(numels) + 1 offsets, tensor i's ceil(N_i / k) elements lying between offsets i and
+    i + 1 (k = `sample_stride(rate)`). Lets tensors that arrive one at a time be sampled
+    into one buffer (`sample_into`) that equals `sample_gradient` of them all."""
+    k = sample_stride(rate)
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + (int(n) + k - 1) // k)  # ceil(N / k) per tensor
+    return offsets
+
+
+def sample_into(out: torch.Tensor, tensor: torch.Tensor, rate: float) -> None:
+    """Write every k-th element of the flattened `tensor` into `out` (ceil(N / k) elements,
+    converted to out's dtype); the tensor is not changed."""
+    # copy_ both gathers the strided view and converts the dtype in one pass.
+    out.copy_(tensor.detach().reshape(-1)[:: sample_stride(rate)])
+
+
 def sample_gradient(tensors: Sequence[torch.Tensor], rate: float) -> torch.Tensor:
     """Return every k-th element of each flattened tensor, concatenated (GSR β sampling).
 
@@ -74,17 +95,14 @@ def sample_gradient(tensors: Sequence[torch.Tensor], rate: float) -> torch.Tenso
     through a strided view `t.reshape(-1)[::k]`, which is a view for contiguous tensors.
     The inputs are not changed. An empty sequence gives an empty float32 tensor.
     """
-    k = sample_stride(rate)
     if len(tensors) == 0:
+        sample_stride(rate)  # (the rate is checked all the same)
         return torch.empty(0, dtype=torch.float32)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    counts = [(t.numel() + k - 1) // k for t in tensors]  # ceil(N / k) per tensor
-    out = torch.empty(sum(counts), dtype=dtype, device=tensors[0].device)  # (Σ ceil(N_i/k),)
-    offset = 0
-    for t, count in zip(tensors, counts):
-        # copy_ both gathers the strided view and converts the dtype in one pass.
-        out[offset : offset + count].copy_(t.detach().reshape(-1)[::k])
-        offset += count
+    offsets = sample_offsets([t.numel() for t in tensors], rate)
+    out = torch.empty(offsets[-1], dtype=dtype, device=tensors[0].device)  # (Σ ceil(N_i/k),)
+    for t, start, end in zip(tensors, offsets, offsets[1:]):
+        sample_into(out[start:end], t, rate)
     return out
 
 

@@ -1,5 +1,6 @@
 """The emulated cluster harness and the benchmarks."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -83,23 +84,32 @@ def test_comm_benchmark_loopback_two_workers(tmp_path, capsys):
     assert main(["bench", "comm", "--loopback", "--nproc", "2", "--steps", "2", "--warmup", "1",
                  "--rank", "8", "--out", str(out)]) == 0
     text = out.read_text()
-    for method in ("| none |", "| torch-powersgd |", "| powersgd |", "| edgc r=2 |", "| edgc r=8 |"):
+    for method in ("| none |", "| torch-powersgd |", "| powersgd |", "| edgc r=2 |", "| edgc r=8 |",
+                   "| powersgd (whole-step) |", "| edgc r=8 (whole-step) |"):
         assert method in text
     rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| ")}
     # bytes per step: rank 8 compresses, and sends fewer bytes than uncompressed
     assert float(rows["powersgd"][3]) < float(rows["none"][3])
     assert float(rows["edgc r=2"][3]) < float(rows["edgc r=8"][3])
+    # the two sync modes cut the same bytes differently
+    assert rows["powersgd"][3] == rows["powersgd (whole-step)"][3]
 
 
 @pytest.mark.slow
 def test_bench_train_loopback(tmp_path):
     out = tmp_path / "bench"
-    assert main(["bench", "train", "--loopback", "--nproc", "2", "--steps", "6", "--methods", "none,edgc",
-                 "--rank", "4", "--out", str(out), "--", "--batch-size", "2", "--block-size", "32",
-                 "--eval-tokens", "256", "--edgc-warmup-steps", "2"]) == 0
+    assert main(["bench", "train", "--loopback", "--nproc", "2", "--steps", "6", "--methods",
+                 "none,compute-only,edgc,edgc-wholestep", "--rank", "4", "--out", str(out), "--", "--batch-size", "2",
+                 "--block-size", "32", "--eval-tokens", "256", "--edgc-warmup-steps", "2"]) == 0
     text = (out / "bench.md").read_text()
-    assert "| none |" in text and "| edgc |" in text
+    first_table = text.split("\n\n")[2]  # (after the title and the setup line; the report's tables follow)
+    rows = {line.split("|")[1].strip(): line.split("|") for line in first_table.splitlines()}
+    assert {"none", "compute-only", "edgc", "edgc-wholestep"} <= set(rows)
+    assert "exposed comm (ms)" in rows["run"][4] and rows["compute-only"][4].strip() == "0"
     assert (out / "loss.png").is_file() and (out / "edgc" / "metrics.jsonl").is_file()
+    # the compute-only run sends nothing; the whole-step run was made in that mode
+    assert (out / "compute-only" / "metrics.jsonl").is_file() and float(rows["compute-only"][8]) == 0.0
+    assert json.loads((out / "edgc-wholestep" / "config.json").read_text())["edgc"]["sync_mode"] == "whole-step"
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ DYNAMIC = dict(
 )
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_replicas_bit_identical_while_rank_changes(world):
-    results = run_workers(workers.train_and_report, world, DYNAMIC, 60, timeout=240)
+@pytest.mark.parametrize("world,mode", [(2, "pipelined"), (4, "pipelined"), (4, "whole-step")])
+def test_replicas_bit_identical_while_rank_changes(world, mode):
+    results = run_workers(workers.train_and_report, world, dict(DYNAMIC, sync_mode=mode), 60, timeout=240)
     first = results[0]
     assert first["buckets"] >= 3, "the model must span several DDP buckets"
     compressed = [r for r in first["ranks"] if r > 0]
@@ -43,7 +43,7 @@ def test_nonfinite_gradient_passes_through_without_poisoning_buffers():
     cfg = dict(DYNAMIC)
     out = run_workers(workers.nonfinite_check, 2, cfg, 10, 20, timeout=240)
     for r in out:
-        assert r["skipped"] == 1  # both replicas saw the inf average and skipped the step
+        assert r["skipped"] == 1  # both replicas saw a non-finite average and skipped the step
         assert r["buffers_finite"] is True
         assert r["stats"].nonfinite_steps == 1
         assert bool(torch.isfinite(r["params"]).all())

@@ -79,8 +79,10 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int) -> 
             "eps_max": state.gate.eps_max}
 
 
-def resume_check(rank: int, world: int, config_kwargs: dict, n: int) -> dict:
-    """2n straight steps vs n steps, checkpoint through bytes, fresh objects, n more."""
+def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: bool = False) -> dict:
+    """2n straight steps vs n steps, checkpoint through bytes, fresh objects, n more.
+    `legacy`: the checkpoint's state is made to look like one written before the
+    pipelined mode (no "units", no "sync_mode" in its config)."""
     config = EDGCConfig(**config_kwargs)
     model, ddp, state, opt = _make(config)
     straight, _ = _train(ddp, opt, state, rank, 0, 2 * n)
@@ -93,6 +95,9 @@ def resume_check(rank: int, world: int, config_kwargs: dict, n: int) -> dict:
     del model, ddp, state, opt
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
+    if legacy:
+        del ckpt["edgc"]["units"]
+        del ckpt["edgc"]["config"]["sync_mode"]
     model, ddp, state, opt = _make(config, seed=123)  # different init: everything must come from the checkpoint
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -167,6 +172,105 @@ def train_plain(rank: int, world: int, steps: int) -> dict:
         loss.backward()
         opt.step()
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+# ---------------------------------------------------------------- the two sync modes
+
+
+class StackNet(nn.Module):
+    """MixedNet's kinds of parameter plus three same-shape matrices (one group of three,
+    cut across DDP's buckets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 48)
+        self.conv = nn.Conv1d(48, 40, kernel_size=3, padding=1)
+        self.norm = nn.LayerNorm(40)
+        self.mid = nn.ModuleList(nn.Linear(40, 40) for _ in range(3))
+        self.out = nn.Linear(40, 64)
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)  # (B, T, 48)
+        x = self.norm(F.gelu(self.conv(x.transpose(1, 2)).transpose(1, 2)))  # (B, T, 40)
+        for layer in self.mid:
+            x = x + F.gelu(layer(x))  # (B, T, 40)
+        return self.out(x) * self.scale  # (B, T, 64)
+
+
+def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket_cap_mb: float) -> dict:
+    """StackNet in float64, trained once per sync mode from the same start: each step's
+    averaged gradient, the error feedback and Q at the end, and each all-reduce this
+    replica issued: (step, bucket being handed over, was it the last, numel, dtype)."""
+    out = {}
+    original = dist.all_reduce
+    for mode in ("whole-step", "pipelined"):
+        torch.manual_seed(0)
+        model = StackNet().double()
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+        state = EDGCState(None, EDGCConfig(**config_kwargs, sync_mode=mode))
+        where, issued = [0, 0, False], []
+
+        def hook(state, bucket):  # (unannotated: DDP checks annotations as objects)
+            where[1:] = [bucket.index(), bucket.is_last()]
+            return edgc_hook(state, bucket)
+
+        def spy(tensor, *args, **kwargs):
+            issued.append((*where, tensor.numel(), str(tensor.dtype)))
+            return original(tensor, *args, **kwargs)
+
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        grads = []
+        dist.all_reduce = spy
+        try:
+            for step in range(steps):
+                where[0] = step + 1
+                idx, target = _batch(step, rank)
+                loss = F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+                opt.step()
+        finally:
+            dist.all_reduce = original
+        out[mode] = {"grads": grads, "stats": state.stats(), "issued": issued,
+                     "buckets": max(b for _, b, _, _, _ in issued) + 1,
+                     "error": {str(k): g.error.clone() for k, g in state.groups.items()},
+                     "q": {str(k): g.q.clone() for k, g in state.groups.items()},
+                     "group_sizes": sorted(len(g.slots) for g in state.groups.values())}
+    return out
+
+
+def nonfinite_late_bucket_check(rank: int, world: int, config_kwargs: dict, bad_step: int, steps: int) -> dict:
+    """The last replica's embedding gradient (DDP's last bucket, computed last) gets an inf
+    at bad_step; the error feedback and Q must come out of that step as they went in."""
+    config = EDGCConfig(**config_kwargs)
+    model, ddp, state, opt = _make(config)
+    out = {"skipped": 0}
+    for step in range(steps):
+        idx, target = _batch(step, rank)
+        loss = F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        handle = None
+        if step == bad_step:
+            before = {k: (g.error.clone(), g.q.clone()) for k, g in state.groups.items()}
+            if rank == world - 1:
+                handle = model.emb.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        loss.backward()
+        if handle is not None:
+            handle.remove()
+        if all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters()):
+            opt.step()
+        else:
+            out["skipped"] += 1
+        if step == bad_step:
+            out["untouched"] = all(torch.equal(g.error, before[k][0]) and torch.equal(g.q, before[k][1])
+                                   for k, g in state.groups.items())
+            out["finite_buckets"] = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out["stats"] = state.stats()
+    return out
 
 
 # ---------------------------------------------------------------- init order, pickling, replicas

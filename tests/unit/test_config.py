@@ -19,6 +19,7 @@ from edgc import EDGCConfig
         ("min_compression_rate", -2.0),
         ("cqm_method", "exact"),
         ("use_error_feedback", "yes"),
+        ("sync_mode", "async"),
     ],
 )
 def test_invalid_value_names_the_field(field, value):

@@ -10,6 +10,11 @@ does. Each method's hook is called on those buckets exactly as DDP would call it
 - edgc r=k: our hook with the CQM policy held at rank k, entropy sampling included, for k
   across [r_min, r_max], the range EDGC moves in.
 
+Our two rows come once per `--sync-modes` entry (EDGCConfig.sync_mode), "(whole-step)"
+appended to the name of the whole-step ones. The buckets come back to back here, with no
+backward pass between them to hide communication behind, so the two modes differ only in
+how the bytes are cut into collectives; `edgc bench train` measures the overlap.
+
 Reported: bytes handed to collectives per replica, sync time per step (median, slowest
 replica), compression compute time, and efficiency against the physical limit of a ring
 all-reduce of those bytes, 2(N-1)/N * bytes / bandwidth.
@@ -40,7 +45,7 @@ from edgc.comm.baselines import (
     torch_powersgd_hook,
 )
 from edgc.comm.buckets import FlatBucket
-from edgc.config import EDGCConfig
+from edgc.config import SYNC_MODES, EDGCConfig
 from edgc.models import PRESETS, build_model
 from edgc.train.launch import end_process_group
 
@@ -74,10 +79,15 @@ def _buckets(shapes: list[torch.Size], cap_bytes: int, seed: int) -> tuple[list[
     return buckets, originals
 
 
-def _methods(r: int, r_min: int, alpha: float) -> list[tuple[str, Any]]:
+_WHOLE = " (whole-step)"
+
+
+def _methods(r: int, r_min: int, modes: list[str]) -> list[tuple[str, Any]]:
     ranks = sorted({r_min, max(r_min, r // 2), r})
-    out: list[tuple[str, Any]] = [("none", None), ("torch-powersgd", None), ("powersgd", None)]
-    out += [(f"edgc r={k}", k) for k in ranks]
+    out: list[tuple[str, Any]] = [("none", None), ("torch-powersgd", None)]
+    for mode in modes:
+        suffix = _WHOLE if mode == "whole-step" else ""
+        out += [(f"powersgd{suffix}", None)] + [(f"edgc r={k}{suffix}", k) for k in ranks]
     return out
 
 
@@ -86,11 +96,12 @@ def _make(name: str, k: int | None, args: argparse.Namespace):
         return AllReduceState(None), allreduce_hook
     if name == "torch-powersgd":
         return TorchPowerSGDState(None, rank=args.rank, start_iter=1), torch_powersgd_hook
-    if name == "powersgd":
-        cfg = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=0)
+    mode = "whole-step" if name.endswith(_WHOLE) else "pipelined"
+    if name.startswith("powersgd"):
+        cfg = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=0, sync_mode=mode)
     else:
         cfg = EDGCConfig(policy="cqm", max_rank=k, min_rank=k, warmup_steps=0, window=1000,
-                         iteration_sample_rate=args.alpha)
+                         iteration_sample_rate=args.alpha, sync_mode=mode)
     return EDGCState(None, cfg), edgc_hook
 
 
@@ -110,7 +121,7 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     buckets, originals = _buckets(shapes, int(args.bucket_mb * 2**20), seed=rank)
     r_min = max(1, args.rank // 4)
     rows = []
-    for name, k in _methods(args.rank, r_min, args.alpha):
+    for name, k in _methods(args.rank, r_min, _sync_modes(args.sync_modes)):
         state, hook = _make(name, k, args)
         times, stats_before = [], None
         for step in range(args.warmup + args.steps):
@@ -172,12 +183,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="measured steps (at least 1/alpha to include an entropy sample)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--sync-modes", default="pipelined,whole-step",
+                   help="our hook's modes to time (EDGCConfig.sync_mode), comma-separated")
     p.add_argument("--out", default=None, help="write the markdown table here too")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
 
 
+def _sync_modes(text: str) -> list[str]:
+    """The --sync-modes list; raises ValueError naming a mode that is not one."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in SYNC_MODES]
+    if unknown or not modes:
+        raise ValueError(f"--sync-modes {text!r}: choose from {', '.join(SYNC_MODES)}")
+    return modes
+
+
 def run(args: argparse.Namespace) -> int:
+    _sync_modes(args.sync_modes)  # (checked before any worker starts)
     if args.worker_out:
         worker(args)
         return 0
@@ -190,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     out_json = Path(os.path.abspath(f".edgc-bench-comm-{os.getpid()}.json"))
     argv = ["bench", "comm", "--preset", args.preset, "--rank", str(args.rank), "--alpha", str(args.alpha),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb),
-            "--worker-out", str(out_json)]
+            "--sync-modes", args.sync_modes, "--worker-out", str(out_json)]
     if args.vocab:
         argv += ["--vocab", str(args.vocab)]
     try:

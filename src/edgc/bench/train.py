@@ -32,11 +32,18 @@ __all__ = ["add_parser", "run", "time_to_target"]
 MODES = {"quick": 100, "full": 600}
 
 
+#: Suffix of a method spec that runs our hook in its whole-step mode ("edgc-wholestep").
+WHOLE_STEP = "-wholestep"
+
+
 def _method_args(spec: str, rank: int) -> tuple[str, list[str]]:
-    """Run name and `edgc train` arguments for a method spec like "powersgd-rmin"."""
+    """Run name and `edgc train` arguments for a method spec like "powersgd-rmin"; a spec
+    of our hook ending in "-wholestep" runs it in its whole-step mode (EDGCConfig.sync_mode)."""
     r_min = max(1, rank // 4)
     table = {
         "none": ["--method", "none"],
+        # no sync at all: the step time that the others' exposed communication is measured from
+        "compute-only": ["--method", "compute-only"],
         "torch-powersgd": ["--method", "torch-powersgd", "--rank", str(rank)],
         "powersgd-rmax": ["--method", "powersgd", "--rank", str(rank)],
         "powersgd-rmin": ["--method", "powersgd", "--rank", str(r_min)],
@@ -46,9 +53,12 @@ def _method_args(spec: str, rank: int) -> tuple[str, list[str]]:
         "edgc-dac-cap": ["--method", "edgc", "--rank", str(rank), "--dac-cap-at-r-max", "true"],
         "edgc-dac-measured": ["--method", "edgc", "--rank", str(rank), "--dac-slack", "measured"],
     }
-    if spec not in table:
-        raise ValueError(f"unknown method {spec!r}; choose from {sorted(table)}")
-    return spec, table[spec]
+    base = spec.removesuffix(WHOLE_STEP)
+    ours = [name for name in table if name.startswith(("powersgd", "edgc"))]
+    if base not in table or (base != spec and base not in ours):
+        raise ValueError(f"unknown method {spec!r}; choose from {sorted(table)}, or one of {sorted(ours)} "
+                         f"with {WHOLE_STEP!r} appended")
+    return spec, table[base] + (["--edgc-sync-mode", "whole-step"] if base != spec else [])
 
 
 def time_to_target(records: list[dict], target: float) -> float:
@@ -73,7 +83,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
     p.add_argument("--mode", choices=sorted(MODES), default="quick", help="quick: 100 steps; full: 600")
     p.add_argument("--steps", type=int, default=None, help="override the mode's step count")
-    p.add_argument("--methods", default="none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc")
+    p.add_argument("--methods", default="none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc",
+                   help="comma-separated: none, compute-only (no sync: the exposed-communication baseline), "
+                        "torch-powersgd, powersgd-rmax, powersgd-rmin, edgc, edgc-uniform, edgc-dac-cap, "
+                        "edgc-dac-measured; append -wholestep to one of ours for its whole-step mode")
     p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
     p.add_argument("--target-loss", type=float, default=None,
                    help="validation loss for time-to-target (default: the worst final loss of all methods)")
@@ -120,16 +133,19 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
     comm = {n: _mean_comm_time(r) for n, _, r in loaded}
     target = args.target_loss or max(s.final_val_loss for s in sums.values())
     base = sums.get("none")
+    compute = sums.get("compute-only")  # (its step time has no communication in it)
     lines = [
-        "| run | step time (ms) | vs none | tokens/s | comm time / step (ms) | comm vs none | "
+        "| run | step time (ms) | vs none | exposed comm (ms) | tokens/s | comm time / step (ms) | comm vs none | "
         f"MB sent | val loss | vs none | time to val loss {target:.3f} (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, _, records in loaded:
         s = sums[name]
         ttt = time_to_target(records, target)
+        exposed = f"{(s.mean_step_time - compute.mean_step_time) * 1e3:.0f}" if compute else "-"
         lines.append(
             f"| {name} | {s.mean_step_time * 1e3:.0f} | {_ratio(s.mean_step_time, base and base.mean_step_time)} | "
+            f"{exposed} | "
             f"{s.mean_tokens_per_s:,.0f} | {comm[name] * 1e3:.0f} | {_ratio(comm[name], comm.get('none'))} | "
             f"{s.total_bytes / 1e6:.1f} | {s.final_val_loss:.4f} | "
             f"{_ratio(s.final_val_loss, base and base.final_val_loss, pct=True)} | "
@@ -140,8 +156,11 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
         f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.\n\n"
         + "\n".join(lines) + "\n\n" + stage_table(loaded) + table
-        + "\nStep and communication times leave out the first 5% of steps. Communication time is the time "
-        "inside the gradient-sync hook (all methods wait for their collectives there).\n\n"
+        + "\nStep and communication times leave out the first 5% of steps. Exposed comm is the step time minus "
+        "the compute-only run's (no sync at all; its replicas drift apart, and its loss means nothing). "
+        "Communication time is the time the gradient-sync hook waited for its collectives: all of it for "
+        "none, torch-powersgd and the -wholestep runs, and for the pipelined mode of ours only the part "
+        "the backward pass did not hide.\n\n"
         "![loss](loss.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
 

@@ -1,15 +1,19 @@
 """The baselines the trainer compares EDGC with, measured the same way as EDGC.
 
 - `AllReduceState` + `allreduce_hook`: DDP's plain all-reduce average, timed.
+- `NoSyncState` + `no_sync_hook`: no communication at all, each replica keeps its own
+  gradient. Not a way to train (the replicas drift apart): the compute-only step time
+  that a benchmark subtracts from a method's step time to see its exposed communication.
 - `TorchPowerSGDState` + `torch_powersgd_hook`: PyTorch's own powerSGD_hook, made safe for
   gloo by waiting on each bucket's future before the next bucket issues anything. Without
   the wait, replicas can issue the P and Q all-reduces of different buckets in different
   orders and gloo deadlocks or aborts. Its buffers follow the parameters when DDP
   re-buckets them, so checkpoints resume exactly (see TorchPowerSGDState).
 
-Both keep `stats()` returning EDGCStats, so runs of every method log the same fields.
-Like edgc_hook they wait for their collectives inside the hook, so no method gets
-communication/computation overlap that the others lack.
+They keep `stats()` returning EDGCStats, so runs of every method log the same fields.
+They wait for their collectives inside the hook, as edgc_hook's whole-step mode does;
+edgc_hook's pipelined mode overlaps its own with the backward pass (and DDP's built-in
+all-reduce, used when no hook is registered, overlaps too).
 """
 
 import math
@@ -22,7 +26,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from edgc.comm.hook import EDGCStats
 from edgc.comm.timing import LapSum, start_lap
 
-__all__ = ["AllReduceState", "TorchPowerSGDState", "allreduce_hook", "torch_powersgd_hook"]
+__all__ = ["AllReduceState", "NoSyncState", "TorchPowerSGDState", "allreduce_hook", "no_sync_hook",
+           "torch_powersgd_hook"]
 
 STATE_VERSION = 2  # TorchPowerSGDState: 2 saves torch's buffers per parameter (1: per DDP bucket, as torch keeps them)
 
@@ -100,6 +105,27 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
         state.step += 1
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
+    return fut
+
+
+class NoSyncState(_Counters):
+    """State of the no-sync hook (compute-only runs): only counters, nothing sent."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": "no-sync-state", "world_size": self.world_size, **self._counters()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        _check(d, "no-sync-state", self.world_size)
+        self._load_counters({k: v for k, v in d.items() if k not in ("format", "world_size")})
+
+
+def no_sync_hook(state: NoSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Leave the bucket as it is: this replica's own gradient, no collective."""
+    state.bytes_uncompressed += bucket.buffer().numel() * bucket.buffer().element_size()
+    if bucket.is_last():
+        state.step += 1
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
     return fut
 
 

@@ -5,17 +5,23 @@ Usage (the calling convention of torch's powerSGD_hook):
     state = EDGCState(process_group=None, config=EDGCConfig(policy="cqm", max_rank=32))
     ddp.register_comm_hook(state, edgc_hook)
 
-Why every bucket waits for the last one. DDP calls the hook once per bucket. torch's
+Why the collectives follow a fixed order. DDP calls the hook once per bucket. torch's
 powerSGD_hook issues each bucket's second all-reduce from a future callback, so two
 replicas can issue bucket i's Q and bucket i+1's P in different orders; gloo then
 deadlocks or aborts (it failed 4 of 7 runs of a 29M-parameter GPT on this project's
-machine). Here the hook only records each bucket and returns an unfinished future; at
-the last bucket it synchronises the whole gradient with a fixed sequence of collectives
-issued from one thread, then completes every future. The sequence is identical on every
-replica because it depends only on the step counter and on values that were themselves
-all-reduced. A side benefit: same-shape matrices from all buckets share one bmm, and one
-step costs at most four collectives (control, uncompressed, P, Q) per gradient dtype.
-The cost: no overlap of gradient communication with the backward pass.
+machine). Here every collective is issued from the thread that calls the hook, in an
+order that depends only on which bucket is being handed over, on the step counter and on
+values that were themselves all-reduced, never on how fast a collective finished
+(edgc.comm.stepsync). Two modes (EDGCConfig.sync_mode):
+- "pipelined" (the default): bucket i's P all-reduce starts when DDP hands it over, and
+  bucket i-1 is finished meanwhile (a fixed lag of one bucket), so the sync overlaps the
+  backward pass; same-shape matrices of a bucket share one bmm.
+- "whole-step": the hook records each bucket and returns an unfinished future; at the
+  last bucket it synchronises the whole gradient at once, then completes every future:
+  same-shape matrices of all buckets share one bmm, and a step costs at most four
+  collectives (control, uncompressed, P, Q) per gradient dtype, none of them overlapping
+  the backward pass.
+Both give the same average, up to the float order of the sums.
 
 Why the process group is resolved at the first step, not in __init__. Frameworks build the
 state before `init_process_group` (Lightning's PowerSGD recipe does, in the launching
@@ -48,25 +54,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.compress import (
-    compressible,
-    draw_q,
-    error_feedback_,
-    lowrank_l1_error,
-    orthogonalize_,
-    project_p,
-    project_q,
-    reconstruct,
-    relative_lowrank_error,
-    resize_q,
+from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
+from edgc.comm.stepsync import (
+    ENTROPY,
+    EPS_MAX,
+    EPS_MIN,
+    NONFINITE,
+    Group,
+    StepInfo,
+    StepSync,
+    UnitPlan,
+    flatten_by_dtype,
+    scatter,
+    unit_plan,
+    working_dtype,
 )
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.config import GROUP_POLICIES, EDGCConfig
-from edgc.entropy import estimate_entropy, is_sampled_step, sample_gradient
+from edgc.entropy import is_sampled_step, sample_offsets
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
 from edgc.policy.schedule import parse_rank_schedule, scheduled_rank
-from edgc.policy.spectral import effective_ranks, spectral_rank
+from edgc.policy.spectral import spectral_rank
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +88,6 @@ _VERSION = 1  # (version-1 states written before "replica" existed load without 
 _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
                   "groups", "generator", "controller", "gate", "calibration", "stats")
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
-_HALF = (torch.float16, torch.bfloat16)
-
-# Layout of the per-step control vector (float64, all-reduced with SUM).
-_NONFINITE, _ENTROPY, _EPS_MIN, _EPS_MAX, _CONTROL_LEN = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -100,9 +105,9 @@ class EDGCStats:
     bytes_sent: int  # bytes this replica handed to collectives
     bytes_uncompressed: int  # bytes plain DDP all-reduce would have handed over
     compress_seconds: float  # local compression arithmetic (P, Q, orthogonalisation, EF)
-    comm_seconds: float  # time spent inside collectives, waiting included
+    comm_seconds: float  # time spent waiting for collectives (pipelined: the part the backward pass did not hide)
     entropy_seconds: float  # sampling and entropy estimation
-    nonfinite_steps: int  # steps whose gradient had inf/nan and passed through uncompressed
+    nonfinite_steps: int  # compressed steps whose gradient had inf/nan (sent on; EF and Q kept as they were)
     compressed_steps: int  # steps synchronised with low-rank compression
 
     @property
@@ -125,31 +130,6 @@ class EDGCStats:
             "compressed_steps": float(self.compressed_steps), "nonfinite_steps": float(self.nonfinite_steps),
         }
         return {name: value for name, value in out.items() if math.isfinite(value)}
-
-
-@dataclass
-class _Group:
-    """The compressed matrices of one shape and dtype, batched into one bmm."""
-
-    shape: tuple[int, int]  # (m, n)
-    slots: list[int]  # parameter slots, in slot order
-    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
-    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
-    dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
-
-    @property
-    def key(self) -> tuple[int, int, str]:
-        return (*self.shape, str(self.dtype))
-
-
-def _working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype compression arithmetic runs in: float32 for half-precision gradients."""
-    return torch.float32 if dtype in _HALF else dtype
-
-
-def _dtype_order(dtypes: Any) -> list[torch.dtype]:
-    """Distinct dtypes in a fixed order (by name), so every replica issues alike."""
-    return sorted(set(dtypes), key=str)
 
 
 #: How many of the latest collectives' handles a state keeps (EDGCState._recent_works).
@@ -205,7 +185,7 @@ class EDGCState:
         self._schedule = parse_rank_schedule(config.rank_schedule) if config.policy == "schedule" else []
         self.generator = torch.Generator().manual_seed(config.seed)
         self.calibration: dict[str, Any] = {"points": [], "t_uncompressed": [], "done": config.max_rank is not None}
-        self.groups: dict[tuple[int, int, str], _Group] = {}  # by (m, n, dtype)
+        self.groups: dict[tuple[int, int, str], Group] = {}  # by (m, n, dtype)
         # per-group policies, a (2, groups) float64 sum over the window's steps, on the
         # gradients' device (no host sync per step), agreed at the window end: "budget"
         # sums local (‖M‖², ‖Q‖²), "spectral" (Σ effective rank, matrices counted)
@@ -215,7 +195,13 @@ class EDGCState:
         self.slot_shapes: list[tuple[int, ...]] = []
         self._expected_shapes: list[tuple[int, ...]] | None = None  # from load_state_dict
         self._pending_groups: list[dict[str, Any]] | None = None
-        self._pending: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
+        self._slot_dtypes: list[torch.dtype] = []  # (this process's; from its first step)
+        # the units a step is synchronised in: DDP's bucket layout of the last step that
+        # had several buckets, as slots (edgc.comm.stepsync, "The plan"); None: none yet
+        self._units: list[tuple[int, ...]] | None = None
+        self._unit_plans: dict[tuple[bool, tuple[int, ...]], UnitPlan] = {}
+        self._sample_at: tuple[float, list[int], torch.dtype] | None = None
+        self._sync: StepSync | None = None  # the step whose buckets are being handed over
 
         # stats
         self.last_entropy = math.nan
@@ -404,6 +390,7 @@ class EDGCState:
             "r_max": self.r_max,
             "slot_shapes": [list(s) for s in self.slot_shapes],
             "uncompressed_slots": list(self.uncompressed_slots),
+            "units": None if self._units is None else [list(u) for u in self._units],
             "groups": [
                 {
                     "shape": list(g.shape),
@@ -454,8 +441,9 @@ class EDGCState:
             self._check_identity(*identity)
         else:
             self._loaded_identity = identity  # checked when the hook binds its group
-        if d["config"] != self.config.to_dict():
-            changed = sorted(k for k, v in d["config"].items() if self.config.to_dict().get(k) != v)
+        saved_config = {"sync_mode": "whole-step", **d["config"]}  # (the only mode before "sync_mode" existed)
+        if saved_config != self.config.to_dict():
+            changed = sorted(k for k, v in saved_config.items() if self.config.to_dict().get(k) != v)
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values", changed)
         self.step = int(d["step"])
         self.phase = d["phase"]
@@ -473,6 +461,8 @@ class EDGCState:
         self.r_min, self.r_max = int(d["r_min"]), int(d["r_max"])
         self._expected_shapes = [tuple(s) for s in d["slot_shapes"]]
         self.uncompressed_slots = list(d["uncompressed_slots"])
+        # (states written before the pipelined mode lack "units": DDP's buckets serve until known)
+        self._units = _checked_units(d.get("units"), len(self._expected_shapes))
         self._pending_groups = d["groups"]
         self.generator.set_state(d["generator"])
         sums = d.get("policy_window", d.get("budget_window"))  # (the key's name before "spectral")
@@ -491,11 +481,15 @@ class EDGCState:
 
     # ------------------------------------------------------------------ the step
 
-    def _assign_slots(self, pending: list[tuple[torch.Tensor, list[torch.Tensor], Any]]) -> list[torch.Tensor]:
-        """Gradient views in slot order; new parameters get the next free slots."""
+    def _assign_slots(
+        self, pending: list[tuple[torch.Tensor, list[torch.Tensor], Any]]
+    ) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
+        """Gradient views in slot order, and each bucket's slots; new parameters get the
+        next free slots."""
         views: dict[int, torch.Tensor] = {}
+        layout = []
         for buffer, params, _ in pending:
-            offset = 0
+            offset, slots = 0, []
             for p in params:
                 key = id(p)
                 if key not in self._slot_of:
@@ -503,7 +497,9 @@ class EDGCState:
                     self.slot_shapes.append(tuple(p.shape))
                 numel = p.numel()
                 views[self._slot_of[key]] = buffer[offset : offset + numel].view(p.shape)
+                slots.append(self._slot_of[key])
                 offset += numel
+            layout.append(tuple(slots))
         if self._expected_shapes is not None:
             if self._expected_shapes != self.slot_shapes:
                 raise ValueError(
@@ -518,68 +514,119 @@ class EDGCState:
                 "EDGC saw a step without some parameters' gradients; the hook needs every "
                 "parameter in every step (do not use find_unused_parameters with EDGC)"
             )
-        return [views[s] for s in range(len(self.slot_shapes))]
+        grads = [views[s] for s in range(len(self.slot_shapes))]
+        self._slot_dtypes = [g.dtype for g in grads]
+        return grads, layout
 
     def _restore_groups(self, views: dict[int, torch.Tensor]) -> None:
         for g in self._pending_groups or []:
             ref = views[g["slots"][0]]
             shape = (int(g["shape"][0]), int(g["shape"][1]))
-            work = _working_dtype(ref.dtype)
+            work = working_dtype(ref.dtype)
             error = None if g["error"] is None else g["error"].to(device=ref.device, dtype=work)
-            group = _Group(shape, list(g["slots"]), g["q"].to(device=ref.device, dtype=work), error, ref.dtype)
+            group = Group(shape, list(g["slots"]), g["q"].to(device=ref.device, dtype=work), error, ref.dtype)
             self.groups[group.key] = group
         self._pending_groups = None
+        self._unit_plans = {}
         if self.phase == "compress" and self.config.policy == "cqm":
             self.controller.error_model = self._error_model()
 
-    def _sync(self, pending: list[tuple[torch.Tensor, list[torch.Tensor], Any]]) -> None:
-        """Synchronise one step's whole gradient; bucket buffers hold the average afterwards."""
-        if self._bound is None:
-            self._bind()
-        grads = self._assign_slots(pending)
-        self.device = grads[0].device
-        busy = start_lap(self.device)
+    def _receive(self, buffer: torch.Tensor, params: list[torch.Tensor], future: torch.futures.Future,
+                 last: bool) -> None:
+        """One DDP bucket (edgc_hook): hand it to the step under way, or start one."""
+        lap = start_lap(buffer.device)
+        sync = self._sync
+        try:
+            if sync is None:  # the step's first bucket
+                if self._bound is None:
+                    self._bind()
+                self.device = buffer.device
+                sync = self._sync = StepSync(self, pipelined=self._pipelined_next())
+            sync.add(buffer, params, future)
+            if last:
+                self._sync = None
+                sync.finish()
+        except Exception as exc:
+            self._sync = None  # (the next step starts afresh)
+            if sync is not None:
+                sync.fail(exc)
+            raise
+        finally:
+            self._busy.add(lap.stop())
+
+    def _pipelined_next(self) -> bool:
+        """Whether the next step can start its units at its first bucket (decided from
+        replica-identical values only). Steps that need the whole local gradient first, or
+        the slots checked, run whole-step: this process's first step (slots are assigned,
+        a loaded state checked against the model), r_max calibration and the warm-up error
+        check (warm-up only), and flushing the error feedback into an uncompressed window."""
+        if self.config.sync_mode != "pipelined":
+            return False
+        if self._bound is None or not self._slot_of or self._expected_shapes is not None:
+            return False
+        if self.phase == "warmup":
+            return self.calibration["done"] and not self.gate.needs_errors(self.step + 1)
+        return not (self.stage_uncompressed and self._residual_pending)
+
+    def _bucket_views(self, buffer: torch.Tensor, params: list[torch.Tensor],
+                      views: dict[int, torch.Tensor]) -> tuple[int, ...]:
+        """A bucket of a step whose slots are known: its gradients' views into `views`;
+        returns its slots."""
+        slots, offset = [], 0
+        for p in params:
+            s = self._slot_of.get(id(p))
+            if s is None or tuple(p.shape) != self.slot_shapes[s]:
+                raise RuntimeError("EDGC was handed a parameter that its first step did not have; the hook "
+                                   "needs the same parameters in every step")
+            if s in views:
+                raise RuntimeError(f"EDGC was handed parameter slot {s} twice in one step")
+            numel = p.numel()
+            views[s] = buffer[offset : offset + numel].view(p.shape)
+            offset += numel
+            slots.append(s)
+        return tuple(slots)
+
+    def _begin_step(self) -> StepInfo:
+        """Start a step (at its first bucket, or its last in the whole-step mode): count it
+        and decide what it does, from replica-identical values."""
         self._loaded = None  # the state has moved on from what was loaded
         self.step += 1
         step, cfg = self.step, self.config
-        self.bytes_uncompressed += sum(b.numel() * b.element_size() for b, _, _ in pending)
-
-        # 1. Control values that replicas must agree on, only on steps that need them.
         # (static, schedule and the per-group policies decide nothing from entropy, so they pay nothing for it)
         want_entropy = (cfg.policy not in ("static", "schedule", *GROUP_POLICIES)
                         and is_sampled_step(step, cfg.iteration_sample_rate))
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
-        control = None
-        if want_entropy or want_errors:
-            control = self._control(grads, [b for b, _, _ in pending], want_entropy, want_errors)
-
-        # 2. The gradient itself.
-        step_comm = LapSum()  # this step's time in collectives (the DAC's T(r) samples)
         self.step_phase, self.step_rank = self.phase, 0
         if self.phase == "compress" and cfg.policy == "schedule":
             rank = scheduled_rank(self._schedule, step)
             if rank != self.applied_rank:
                 self._apply_rank(rank)
-        if self.phase == "compress" and not self.stage_uncompressed:
-            nonfinite_start = self.nonfinite_steps
-            self._compressed_sync(grads, step_comm)
-            if self.nonfinite_steps == nonfinite_start:
+        compressed = self.phase == "compress" and not self.stage_uncompressed
+        if compressed and not cfg.warm_start:
+            for g in self.groups.values():
+                g.q = draw_q(len(g.slots), g.shape[1], g.q.shape[-1], self.generator, dtype=g.q.dtype,
+                             device=g.q.device)
+        flush = self.phase == "compress" and not compressed and self._residual_pending
+        return StepInfo(step, compressed, want_entropy, want_errors, flush, self.grad_scale)
+
+    def _end_step(self, info: StepInfo, control: torch.Tensor | None, grads: list[torch.Tensor], finite: bool,
+                  step_comm: LapSum, plain: Lap | None) -> None:
+        """Decisions at the end of a step, from replica-identical values (`control` is the
+        replica-summed control vector, its averages divided already)."""
+        step, cfg = info.step, self.config
+        if info.compressed:
+            if finite:
                 self.step_rank = self.rank
                 if self.alignment is not None:
                     self.alignment.observe_compressed(self.rank, step_comm)
         else:
-            if self.phase == "compress" and self._residual_pending:
-                self._flush_error_feedback(grads)
-            plain = start_lap(self.device)
-            self._plain_sync(grads, step_comm)
-            plain.stop()
             if self.alignment is not None:
                 self.alignment.observe_uncompressed(step_comm)
             if not self.calibration["done"]:
                 self._calibrate(grads, float(plain))  # (warm-up only: waits for the device)
-
-        # 3. Decisions at the end of the step, from replica-identical values.
-        if control is not None and want_entropy:
+        if info.want_entropy:
+            # a replica with inf/nan gradients contributes no entropy sample this step
+            self.last_entropy = float(control[ENTROPY]) if control[NONFINITE] == 0 else math.nan
             self.controller.observe(self.last_entropy)
         if step % cfg.window == 0:
             self.controller.close_window()
@@ -593,169 +640,32 @@ class EDGCState:
                 else:
                     self._apply_rank(self.controller.decide())
         if self.phase == "warmup" and self.calibration["done"]:
-            eps_min = float(control[_EPS_MIN]) if want_errors else math.nan
-            eps_max = float(control[_EPS_MAX]) if want_errors else math.nan
-            if want_errors:
+            eps_min = float(control[EPS_MIN]) if info.want_errors else math.nan
+            eps_max = float(control[EPS_MAX]) if info.want_errors else math.nan
+            if info.want_errors:
                 logger.info(
                     "EDGC warm-up check at step %s: eps(r_min=%s) = %.4g, eps(r_max=%s) = %.4g, eps_max = %.4g",
                     step, self.r_min, eps_min, self.r_max, eps_max, math.nan if self.gate.eps_max is None else self.gate.eps_max,
                 )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)
-        self._busy.add(busy.stop())
 
-    def _control(
-        self, grads: list[torch.Tensor], buffers: list[torch.Tensor], want_entropy: bool, want_errors: bool
-    ) -> torch.Tensor:
-        """Measure entropy / warm-up errors locally and average them over replicas."""
-        lap = start_lap(self.device)
-        cfg = self.config
-        control = torch.zeros(_CONTROL_LEN, dtype=torch.float64)
-        control[_NONFINITE] = float(not all(bool(torch.isfinite(b).all()) for b in buffers))
-        if want_entropy:
-            sample = sample_gradient(buffers, cfg.gradient_sample_rate)  # a new float32/64 tensor
-            if self.grad_scale != 1.0:
-                sample.div_(self.grad_scale)  # the entropy of the true gradient, not of the scaled one
-            control[_ENTROPY] = estimate_entropy(sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
-        if want_errors:
-            mats = [g for s, g in enumerate(grads) if compressible(self.slot_shapes[s], self.r_max, cfg.min_compression_rate)]
-            if not mats:
-                eps = [math.nan, math.nan]
-            elif cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
-                eps = [e / self.grad_scale for e in lowrank_l1_error(mats, [self.r_min, self.r_max])]
-            else:
-                eps = relative_lowrank_error(mats, [self.r_min, self.r_max])
-            control[_EPS_MIN], control[_EPS_MAX] = eps
-        self._entropy.add(lap.stop())
-        # collective: all-reduce SUM of 4 float64 values (32 bytes)
-        self._all_reduce(control, device_copy=grads[0].device)
-        control[_ENTROPY:] /= self.world_size
-        if want_entropy:
-            # a replica with inf/nan gradients contributes no entropy sample this step
-            self.last_entropy = float(control[_ENTROPY]) if control[_NONFINITE] == 0 else math.nan
-        return control
+    def _unit_plan(self, unit: tuple[int, ...], groups: list[Group]) -> UnitPlan:
+        """The cached UnitPlan of a unit (per set of groups: [] for an uncompressed step)."""
+        key = (bool(groups), unit)
+        plan = self._unit_plans.get(key)
+        if plan is None:
+            plan = self._unit_plans[key] = unit_plan(unit, groups, self.device)
+        return plan
 
-    def _plain_sync(self, grads: list[torch.Tensor], step_comm: LapSum | None = None) -> None:
-        """Uncompressed average of all gradients, flattened in slot order, one flat buffer
-        per dtype.
-
-        Flattening in slot order (not bucket order) keeps the reduction layout the same
-        before and after DDP rebuilds its buckets, so a resumed run sums in the same order.
-        """
-        flats = _flatten_by_dtype(grads, range(len(grads)))
-        # collectives: all-reduce SUM of the whole gradient, one per dtype (numel * element_size bytes)
-        self._wait([self._all_reduce(flat, async_op=True) for flat, _ in flats], step_comm)
-        for flat, slots in flats:
-            flat.div_(self.world_size)
-            _scatter(flat, [grads[s] for s in slots])
-
-    def _compressed_sync(self, grads: list[torch.Tensor], step_comm: LapSum) -> None:
-        """PowerSGD round with error feedback over all compressible matrices; see module doc.
-
-        M, P, Q and the error feedback are in each group's working dtype (float32 for half
-        gradients); P and Q travel in the gradients' dtype, one flat buffer per dtype.
-        """
-        cfg, scale = self.config, self.grad_scale
-        # Uncompressed part (1-D tensors, small matrices): one flat all-reduce per dtype.
-        flats = _flatten_by_dtype(grads, self.uncompressed_slots)
-        groups = list(self.groups.values())
-        ms: list[torch.Tensor] = []
-        for g in groups:
-            work = _working_dtype(g.dtype)
-            m = torch.stack([grads[s].reshape(g.shape) for s in g.slots]).to(work)  # (B, m, n)
-            if g.error is not None:
-                m.add_(g.error, alpha=scale)  # (the residual is kept unscaled)
-            if not cfg.warm_start:
-                g.q = draw_q(len(g.slots), g.shape[1], g.q.shape[-1], self.generator, dtype=work, device=m.device)
-            ms.append(m)
-        wire = _dtype_order(g.dtype for g in groups)
-        # P = M Q, each group's P a view of its dtype's flat buffer
-        p_flats, ps, p_sends = self._factor_buffers(groups, wire, lambda g: g.shape[0])
-        for m, g, p in zip(ms, groups, ps):
-            project_p(m, g.q, out=p)
-        for p, send in zip(ps, p_sends):
-            if send is not p:
-                send.copy_(p)  # (to the wire dtype)
-        # collectives: all-reduce SUM of the uncompressed part, then of P ((m*r) per matrix),
-        # one buffer per dtype each
-        works = [self._all_reduce(flat, async_op=True) for flat, _ in flats]
-        works += [self._all_reduce(p_flat, async_op=True) for p_flat in p_flats]
-        self._wait(works, step_comm)
-
-        if not all(bool(torch.isfinite(t).all()) for t in [*(f for f, _ in flats), *p_flats]):
-            # Some replica had inf/nan: every replica sees the same non-finite sum, so all
-            # take this branch. Pass the raw gradient through (the optimiser or GradScaler
-            # skips the step) and leave error feedback and Q untouched.
-            self.nonfinite_steps += 1
-            self._plain_sync(grads, step_comm)
-            return
-
-        for p, send in zip(ps, p_sends):
-            if send is not p:
-                p.copy_(send)  # the sum, as it arrived
-            orthogonalize_(p)
-        q_flats, qs, q_sends = self._factor_buffers(groups, wire, lambda g: g.shape[1])
-        for m, p, q, send in zip(ms, ps, qs, q_sends):
-            project_q(m, p, out=q)
-            if send is not q:
-                send.copy_(q)
-        if cfg.policy == "budget" and groups:
-            # ‖M‖² and, P being orthonormal, ‖PᵀM‖² = ‖Q‖² kept by the subspace (local, before the sum)
-            # (norms in the working dtype, no float64 copy of M; squared in float64)
-            kept = torch.stack([torch.stack([torch.linalg.vector_norm(m), torch.linalg.vector_norm(q)]).double().pow(2)
-                                for m, q in zip(ms, qs)], dim=1)  # (2, groups)
-            self._add_window_sums(kept)
-        if groups:
-            # collectives: all-reduce SUM of Q ((n*r) per matrix), one buffer per dtype
-            self._wait([self._all_reduce(q_flat, async_op=True) for q_flat in q_flats], step_comm)
-        for q, send in zip(qs, q_sends):
-            if send is not q:
-                q.copy_(send)
-            q.div_(self.world_size)
-        if cfg.policy == "spectral" and groups and is_sampled_step(self.step, cfg.iteration_sample_rate):
-            # Q is the replicas' average: the same spectrum everywhere (local work, no collective)
-            eranks = [effective_ranks(q) for q in qs]
-            sums = torch.stack([torch.stack([e.nan_to_num(0.0).sum(), e.isfinite().sum().double()]) for e in eranks],
-                               dim=1)  # (2, groups)
-            self._add_window_sums(sums)
-
-        for m, g, p, q in zip(ms, groups, ps, qs):
-            m_hat = reconstruct(p, q)  # (B, m, n), working dtype
-            for i, s in enumerate(g.slots):
-                grads[s].copy_(m_hat[i].view(grads[s].shape))
-            if g.error is not None:
-                g.error = error_feedback_(m, m_hat)
-                if scale != 1.0:
-                    g.error.div_(scale)
-            g.q = q.clone()
-            self._revive_dead_q(g)
-        for flat, slots in flats:
-            flat.div_(self.world_size)
-            _scatter(flat, [grads[s] for s in slots])
-        self.compressed_steps += 1
-        self._residual_pending = True
-
-    def _factor_buffers(
-        self, groups: list[_Group], wire: list[torch.dtype], rows: Any
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Flat wire buffers (one per dtype, in `wire` order) for one factor of every group,
-        whose matrix has `rows(g)` rows; returns (flats, working views, wire views).
-
-        Where a group works in its wire dtype, its working view is its wire view (no copy).
-        """
-        device = self.device
-        flats, sends = [], [None] * len(groups)
-        for dtype in wire:
-            members = [i for i, g in enumerate(groups) if g.dtype == dtype]
-            sizes = [len(groups[i].slots) * rows(groups[i]) * groups[i].q.shape[-1] for i in members]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            for i, view in zip(members, flat.split(sizes)):
-                g = groups[i]
-                sends[i] = view.view(len(g.slots), rows(g), g.q.shape[-1])  # (B, rows, r)
-            flats.append(flat)
-        works = [send if _working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=_working_dtype(g.dtype))
-                 for g, send in zip(groups, sends)]
-        return flats, works, sends
+    def _sample_layout(self) -> tuple[list[int], torch.dtype]:
+        """Where each slot's entropy sample lies in the step's sample buffer, and its dtype
+        (sample_gradient of the gradients in slot order)."""
+        rate = self.config.gradient_sample_rate
+        if self._sample_at is None or self._sample_at[0] != rate:
+            dtype = torch.float64 if torch.float64 in self._slot_dtypes else torch.float32
+            self._sample_at = (rate, sample_offsets([math.prod(s) for s in self.slot_shapes], rate), dtype)
+        return self._sample_at[1], self._sample_at[2]
 
     def _add_window_sums(self, sums: torch.Tensor) -> None:
         """Add one step's (2, groups) values to the window's sums (on the gradients' device)."""
@@ -828,15 +738,14 @@ class EDGCState:
         for g in self.groups.values():
             g.q = resize_q(g.q, min(rank, *g.shape), self.generator)
 
-    def _revive_dead_q(self, g: _Group) -> None:
-        """Redraw any all-zero Q (from an all-zero gradient), which would stay zero forever.
+    def _revive_dead_q(self, g: Group, dead: torch.Tensor, count: int) -> None:
+        """Redraw the all-zero Q matrices (from an all-zero gradient), which would stay zero
+        forever: `dead` (B,) marks them, `count` of them (read to the host by the caller).
 
         Q is replica-identical after its all-reduce, so every replica redraws the same ones.
         """
-        dead = g.q.flatten(1).abs().amax(dim=1) == 0
-        if bool(dead.any()):
-            fresh = draw_q(int(dead.sum()), g.q.shape[1], g.q.shape[2], self.generator, dtype=g.q.dtype, device=g.q.device)
-            g.q[dead] = fresh
+        if count:
+            g.q[dead] = draw_q(count, g.q.shape[1], g.q.shape[2], self.generator, dtype=g.q.dtype, device=g.q.device)
 
     def _start_compression(self, grads: list[torch.Tensor]) -> None:
         """Leave warm-up: fix which slots compress, build groups and the error model."""
@@ -858,12 +767,13 @@ class EDGCState:
         self.applied_rank = rank
         device = grads[0].device
         self.groups = {}
+        self._unit_plans = {}
         for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
             slots = members[(m, n, dtype)]
-            work = _working_dtype(dtype)
+            work = working_dtype(dtype)
             q = draw_q(len(slots), n, min(rank, m, n), self.generator, dtype=work, device=device)
             error = torch.zeros((len(slots), m, n), dtype=work, device=device) if cfg.use_error_feedback else None
-            group = _Group((m, n), slots, q, error, dtype)
+            group = Group((m, n), slots, q, error, dtype)
             self.groups[group.key] = group
         if cfg.policy == "cqm":
             self.controller.error_model = self._error_model()
@@ -919,16 +829,16 @@ class EDGCState:
         for m in mats:
             q = draw_q(1, m.shape[1], min(rank, *m.shape), generator, dtype=m.dtype, device=m.device)
             ps.append(project_p(m.unsqueeze(0), q))
-        p_flats = _flatten_by_dtype(ps, range(len(ps)))
+        p_flats = flatten_by_dtype(ps, range(len(ps)))
         # collectives (calibration only): all-reduce SUM of P, one per dtype
         self._wait([self._all_reduce(flat, async_op=True) for flat, _ in p_flats])
         for flat, idx in p_flats:
-            _scatter(flat, [ps[i] for i in idx])
+            scatter(flat, [ps[i] for i in idx])
         qs = []
         for m, p in zip(mats, ps):
             qs.append(project_q(m.unsqueeze(0), orthogonalize_(p)))
         # collectives (calibration only): all-reduce SUM of Q, one per dtype
-        self._wait([self._all_reduce(flat, async_op=True) for flat, _ in _flatten_by_dtype(qs, range(len(qs)))])
+        self._wait([self._all_reduce(flat, async_op=True) for flat, _ in flatten_by_dtype(qs, range(len(qs)))])
 
     def _finish_calibration(self, rank_cap: int) -> None:
         cal = self.calibration
@@ -946,70 +856,57 @@ class EDGCState:
 
     # ------------------------------------------------------------------ collectives
 
-    def _all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False, device_copy=None):
+    def _all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, async_op: bool = False,
+                    device_copy=None) -> "_Issued":
         """All-reduce `tensor` in place over the process group; counts its bytes as sent.
 
-        Blocking calls are timed here; an async call returns a handle for `_wait`, which
-        times the collectives it waits for as one interval.
+        A blocking call is timed here; an async call returns a handle for `_wait`.
         device_copy: for small control tensors built on the CPU, the device the backend
-        needs (NCCL reduces only CUDA tensors); the result is copied back.
+        needs (NCCL reduces only CUDA tensors); the result is copied back (after the wait).
         """
         self.bytes_sent += tensor.numel() * tensor.element_size()
         if self.world_size == 1:
-            return _Issued(None, None)
-        lap = start_lap(self.device)
+            return _Issued(None)
+        lap = None if async_op else start_lap(self.device)
+        back = None
         if device_copy is not None and device_copy.type != "cpu":
-            moved = tensor.to(device_copy)
-            dist.all_reduce(moved, op=op, group=self.process_group)
-            tensor.copy_(moved.cpu())
-            self._comm.add(lap.stop())
-            return _Issued(None, None)
-        work = dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True)
+            back, tensor = (tensor.to(device_copy), tensor), None
+        work = dist.all_reduce(back[0] if back else tensor, op=op, group=self.process_group, async_op=True)
         self._recent_works.append(work)
-        if not async_op:
-            work.wait()
-            self._comm.add(lap.stop())
-            return _Issued(None, None)
-        return _Issued(work, lap)
+        if async_op:
+            return _Issued(work, back)
+        work.wait()
+        if back is not None:
+            back[1].copy_(back[0].cpu())
+        self._comm.add(lap.stop())
+        return _Issued(None)
 
     def _wait(self, issued: list["_Issued"], step_comm: LapSum | None = None) -> None:
-        """Wait for collectives issued together; their time, from the first one's issue to
-        the end of the last wait, counts once (they overlap)."""
-        laps = [i.lap for i in issued if i.lap is not None]
-        for i in issued:
-            if i.work is not None:
-                i.work.wait()
-        if laps:
-            lap = laps[0].stop()
-            self._comm.add(lap)
-            if step_comm is not None:
-                step_comm.add(lap)
+        """Wait for async collectives; the time spent waiting counts once as communication
+        (in the pipelined mode, that is the part not hidden behind the backward pass; on
+        CUDA, how long the current stream stands still for them)."""
+        pending = [i for i in issued if i.work is not None]
+        if not pending:
+            return
+        lap = start_lap(self.device)
+        for i in pending:
+            i.work.wait()
+        lap.stop()
+        self._comm.add(lap)
+        if step_comm is not None:
+            step_comm.add(lap)
+        for i in pending:
+            if i.back is not None:
+                i.back[1].copy_(i.back[0].cpu())  # (a host read: control values only)
 
 
 @dataclass
 class _Issued:
-    """An issued collective: its work handle (None: already done) and its timing lap."""
+    """An issued collective: its work handle (None: already done) and, for a CPU tensor
+    reduced on the device, (device copy, CPU tensor) to copy back after the wait."""
 
     work: Any
-    lap: Lap | None
-
-
-def _flatten_by_dtype(tensors: list[torch.Tensor], order: Any) -> list[tuple[torch.Tensor, list[int]]]:
-    """The tensors at positions `order`, flattened into one buffer per dtype (dtypes in a
-    fixed order); returns (flat buffer, positions it holds) pairs. The buffers are copies."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i in order:
-        by_dtype.setdefault(tensors[i].dtype, []).append(i)
-    return [(torch.cat([tensors[i].reshape(-1) for i in by_dtype[d]]), by_dtype[d]) for d in _dtype_order(by_dtype)]
-
-
-def _scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of `flat` into the tensors `outs`."""
-    offset = 0
-    for t in outs:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
+    back: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _check_state_keys(d: dict[str, Any]) -> None:
@@ -1026,6 +923,19 @@ def _check_state_keys(d: dict[str, Any]) -> None:
         raise ValueError(f"EDGC state dict: 'stats' lacks {missing}")
 
 
+def _checked_units(units: Any, n_slots: int) -> list[tuple[int, ...]] | None:
+    """A state dict's "units" as tuples; raises ValueError unless they cut the slots
+    0 .. n_slots-1 into disjoint, non-empty sets (a torn or hand-edited state)."""
+    if units is None:
+        return None
+    out = [tuple(int(s) for s in u) for u in units]
+    flat = sorted(s for u in out for s in u)
+    if any(not u for u in out) or flat != list(range(n_slots)):
+        raise ValueError(f"EDGC state dict: 'units' must cut the {n_slots} parameter slots into disjoint "
+                         "non-empty sets, as state_dict() writes them")
+    return out
+
+
 def _first_difference(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -1036,33 +946,26 @@ def _first_difference(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> str
 def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: entropy-driven low-rank compression of the gradient.
 
-    Algorithm, per step (the body of EDGCState._sync marks the same steps):
-      1. Record the bucket; buckets before the last return an unfinished future.
-      2. At the last bucket, on sampled steps (alpha), estimate the entropy of a beta
-         sample of the local gradient and average it over replicas (one small
-         all-reduce, which also carries the warm-up error check).
+    Algorithm, per step (EDGCState._begin_step, edgc.comm.stepsync and EDGCState._end_step
+    mark the same steps):
+      1. Take the bucket. Pipelined: start the units whose gradients have all arrived,
+         finish the P of the units started one call before and complete those whose Q
+         was issued one call before. Whole-step: record it, and do all of it at the last.
+      2. On sampled steps (alpha), sample beta of the local gradient as it arrives; at
+         the last bucket estimate its entropy and average it over replicas (one small
+         all-reduce, also carrying the warm-up error check, waited for at the end).
       3. During warm-up: plain all-reduce (and r_max calibration if max_rank is None).
          Afterwards: PowerSGD with error feedback and warm-started Q at the current rank;
          1-D and small tensors are all-reduced uncompressed.
-      4. At each window end, the policy moves the rank within [r_min, r_max].
-      5. Complete every bucket's future with its (now averaged) buffer.
+      4. At the last bucket, drain every unit; keep the new error feedback and Q if the
+         step was finite everywhere; at each window end, move the rank within [r_min, r_max].
+      5. Each bucket's future completes with its (now averaged) buffer.
 
     Side effect: the bucket buffers hold the averaged gradient; the compression error is
-    kept in `state` for the next step. A gradient with inf/nan is averaged uncompressed
-    and left for the optimiser or GradScaler to skip; it never reaches the EF or Q buffers.
+    kept in `state` for the next step. A gradient with inf/nan anywhere comes out
+    non-finite on every replica, for the optimiser or GradScaler to skip; it never
+    reaches the EF or Q buffers.
     """
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state._pending.append((bucket.buffer(), bucket.parameters(), future))
-    if not bucket.is_last():
-        return future
-    pending, state._pending = state._pending, []
-    try:
-        state._sync(pending)
-    except Exception as exc:
-        for _, _, fut in pending:
-            if fut is not future:
-                fut.set_exception(exc)
-        raise
-    for buffer, _, fut in pending:
-        fut.set_result(buffer)
+    state._receive(bucket.buffer(), bucket.parameters(), future, bucket.is_last())
     return future

@@ -16,7 +16,7 @@ from edgc.config import GROUP_POLICIES, MAX_RANK, SEED_LIMIT, EDGCConfig, check_
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 
-METHODS = ("none", "powersgd", "torch-powersgd", "edgc")
+METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only")
 SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -70,7 +70,10 @@ class TrainConfig:
 
     method: str = "edgc"
     """Gradient sync: "none" (plain all-reduce), "powersgd" (our compressor, static rank),
-    "torch-powersgd" (PyTorch's own hook, made safe for gloo) or "edgc"."""
+    "torch-powersgd" (PyTorch's own hook, made safe for gloo) or "edgc". "compute-only"
+    syncs nothing, so the replicas drift apart: not a way to train, but the step time
+    without communication that `edgc bench train` subtracts to measure the others'
+    exposed communication."""
 
     nproc: int | None = None
     """Local workers started by `edgc train` (ignored under torchrun, which sets the world).
@@ -282,8 +285,9 @@ class TrainConfig:
             layers = PRESETS[self.preset].n_layer
             if self.pp > layers:
                 bad("pp", f"the {self.preset} preset has {layers} blocks, fewer than pp({self.pp}) stages")
-            if self.method == "torch-powersgd":
-                bad("method", "torch-powersgd is not supported with pp > 1 (use powersgd, our static-rank compressor)")
+            if self.method in ("torch-powersgd", "compute-only"):
+                bad("method", f"{self.method} is not supported with pp > 1 (use powersgd, our static-rank "
+                              "compressor, or none)")
             if self.edgc.get("policy") in (*GROUP_POLICIES, "schedule"):
                 bad("edgc", f'policy "{self.edgc["policy"]}" does not take the DAC\'s stage alignment yet; '
                             "use cqm, linear or static with pp > 1")
@@ -366,6 +370,9 @@ class TrainConfig:
             "iteration_sample_rate": min(1.0, max(0.1, 5 / window)) if isinstance(window, int) and window > 0 else 0.1,
             "warmup_steps": max(1, self.steps // 10),
             "seed": self.seed,
+            # a pipeline stage syncs after its backward pass and sends (edgc.comm.pipeline):
+            # there is nothing to overlap, and whole steps keep its DAC timings whole
+            "sync_mode": "whole-step" if self.pp > 1 else "pipelined",
         }
         values.update(self.edgc)
         return EDGCConfig.from_dict(values)

@@ -163,13 +163,15 @@ def _clean_stale_temp() -> None:
 
 def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None, threads: int | None = None,
               backend: str = "gloo", log_path: str | Path | None = None,
-              on_start: Callable[[list[int]], None] | None = None) -> list[Any]:
+              on_start: Callable[[list[int]], None] | None = None, strict_exit: bool = False) -> list[Any]:
     """Run fn(rank, world, *args) on `nproc` spawned processes; returns results by rank.
 
     Workers meet over `backend` (gloo, or NCCL with one GPU each) on 127.0.0.1. `fn` must
     be importable (module level). Each worker gets `threads` intra-op threads (default:
     the cores shared out evenly), and dies with this process, however it ends.
-    `on_start(pids)` is called once every worker runs.
+    `on_start(pids)` is called once every worker runs. With `strict_exit`, a worker that
+    reported its result but then did not exit cleanly (gloo's abort at interpreter exit)
+    fails the run too, as a race soak wants; by default its result counts.
     Raises WorkerError naming the failing worker (its tracebacks in `details`, and
     appended to `log_path` if given); on a failure, a timeout or Ctrl-C every worker is
     killed, so nothing is left running.
@@ -205,7 +207,7 @@ def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None
                     p.kill()
                 p.join()
         try:
-            return _collect(procs, out_dir, steps, stopped)
+            return _collect(procs, out_dir, steps, stopped, strict_exit)
         except WorkerError as exc:
             _log(log_path, exc)
             raise
@@ -239,7 +241,7 @@ def _join_all(procs: list, out_dir: str, deadline: float | None, steps: Any) -> 
         time.sleep(0.05)
 
 
-def _collect(procs: list, out_dir: str, steps: Any, stopped: set[int]) -> list[Any]:
+def _collect(procs: list, out_dir: str, steps: Any, stopped: set[int], strict_exit: bool = False) -> list[Any]:
     """Every worker's result by rank, or WorkerError naming the worker that failed first.
 
     A worker that dies takes its peers down with "Connection closed by peer" errors (or
@@ -264,6 +266,10 @@ def _collect(procs: list, out_dir: str, steps: Any, stopped: set[int]) -> list[A
         if status != "ok":
             peer = any(s in value for s in _PEER_FAILURES)
             failures.append((1 if peer else 0, r, "error", f"worker {r} failed{at}: {line}", line.split(":")[0], value))
+        elif strict_exit and p.exitcode != 0:
+            how, what = (("signal", f"was killed by {_signal_name(-p.exitcode)}") if p.exitcode < 0
+                         else ("exit", f"exited with code {p.exitcode}"))
+            failures.append((0, r, how, f"worker {r} reported its result, then {what} at exit", None, ""))
         results.append(value)
     if failures:
         failures.sort(key=lambda f: (f[0], f[1]))

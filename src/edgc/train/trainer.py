@@ -31,8 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from edgc.comm import EDGCState, edgc_hook
 from edgc.comm.baselines import (
     AllReduceState,
+    NoSyncState,
     TorchPowerSGDState,
     allreduce_hook,
+    no_sync_hook,
     torch_powersgd_hook,
 )
 from edgc.comm.replicas import gather_replicas
@@ -131,6 +133,8 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     saved = dict(load_checkpoint(checkpoint)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
+    if values["edgc"] and "sync_mode" not in values["edgc"]:
+        values["edgc"]["sync_mode"] = "whole-step"  # (runs made before the pipelined mode existed)
     refused, changed = [], []
     for key, value in given.items():
         if key in ("edgc", "dac"):
@@ -277,6 +281,9 @@ def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
     if cfg.method == "none":
         state: Any = AllReduceState(None)
         ddp.register_comm_hook(state, allreduce_hook)
+    elif cfg.method == "compute-only":
+        state = NoSyncState(None)
+        ddp.register_comm_hook(state, no_sync_hook)
     elif cfg.method == "torch-powersgd":
         edgc_cfg = EDGCConfig(**cfg.edgc)
         state = TorchPowerSGDState(None, rank=cfg.rank, start_iter=edgc_cfg.warmup_steps + 1,

@@ -1,0 +1,557 @@
+"""StepSync: one step's gradient synchronisation for EDGCState, unit by unit, in one fixed
+collective order.
+
+Units. The gradient is synchronised in units, sets of parameter slots (EDGCState numbers
+the parameters by slot). A unit's round is local arithmetic around at most two
+collectives per gradient dtype in flight at a time:
+
+    start      M = G + error, P = M Q (same-shape matrices stacked: one bmm)
+               -> all-reduce SUM of the unit's uncompressed tensors and of its P
+    finish P   wait; orthogonalise P; Q = M^T P
+               -> all-reduce SUM of Q
+    complete   wait; Q /= W; G = P Q^T; error = M - P Q^T
+
+(a step sent uncompressed has one all-reduce per unit, completed like a Q). A unit's
+arithmetic reads only its own slots, so how the gradient is cut into units changes the
+average only through the float order of the sums.
+
+Two modes (EDGCConfig.sync_mode):
+- "whole-step": the whole gradient is one unit, started when DDP hands over its last
+  bucket. Every bucket waits for the last; a step costs at most four collectives per
+  dtype (control, uncompressed, P, Q), and none of them overlaps the backward pass.
+- "pipelined": DDP's buckets are the units. In the hook call for bucket i, the hook
+  starts every unit whose slots have all arrived (bucket i's), then finishes the P of
+  the units started in earlier calls (bucket i-1's), then completes the units whose Q was
+  issued in earlier calls (bucket i-2's); the last call drains the rest. While the
+  autograd engine computes bucket i+1, buckets i and i-1 are on the wire.
+
+Why a fixed lag, and not "whatever has arrived". Every collective is issued from the
+thread that calls the hook, and every replica must issue the same collectives in the same
+order, or gloo pairs one replica's Q of bucket i with another's P of bucket j and hangs or
+aborts (torch's powerSGD_hook issues its Q from future callbacks, and does). What a hook
+call issues therefore depends only on which call it is: DDP hands the buckets over in
+index order on every replica, and a unit started in call i has its P finished in call
+i+1 and its Q completed in call i+2, waiting if the bytes are not there yet, never sooner
+because a collective happened to finish early on one replica. (Polling for completion
+would make the order depend on timing.) The price: a replica whose link is slow blocks
+its backward pass at the wait, which is where the wire is the bottleneck anyway.
+
+The plan. The units are DDP's bucket layout of the last step that had more than one
+bucket, kept in the state and its checkpoints (DDP's first step of every job is one bucket
+of everything; it rebuilds its buckets after it). A resumed job's first step, one bucket,
+is then cut into the units the uninterrupted run used, and sums in the same float order.
+Where DDP's buckets differ from the plan, a unit starts once all its slots have arrived,
+in plan order; the new layout becomes the plan from the next step on.
+
+Non-finite gradients. When a unit finishes, a later unit of the same step may still turn
+out non-finite, and a host read per bucket would stall a GPU. So the new error feedback
+and Q are written aside and committed at the end of the step only if every summed P and
+uncompressed buffer of the step was finite: a device flag, read once per step. Any
+replica's inf/nan makes a sum non-finite on every replica, so all replicas skip the commit
+alike. The average of such a step is non-finite too (an inf or nan in a P sum spreads to
+its whole matrix through the orthogonalisation), the same on every replica, and the
+optimiser or GradScaler skips it.
+
+Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
+last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
+to redraw), and on sampled steps this replica's finiteness, the entropy estimate and (the
+"spectral" policy) each group's effective ranks. The values replicas must agree on
+(entropy, warm-up errors, finiteness) travel in a control all-reduce issued at the last
+bucket and waited for at the end of the drain: nothing extra blocks the backward pass.
+On CUDA with NCCL every collective runs on NCCL's stream and `wait` only orders the
+current stream after it (gloo, which copies CUDA tensors through the host, blocks); the
+hook's arithmetic runs on the current stream, with no side stream and so no events to record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from edgc.comm.timing import Lap, LapSum, start_lap
+from edgc.compress import (
+    compressible,
+    error_feedback_,
+    lowrank_l1_error,
+    orthogonalize_,
+    project_p,
+    project_q,
+    reconstruct,
+    relative_lowrank_error,
+)
+from edgc.entropy import estimate_entropy, is_sampled_step, sample_into
+from edgc.policy.spectral import effective_ranks
+
+if TYPE_CHECKING:
+    from edgc.comm.hook import EDGCState
+
+__all__ = ["Group", "StepInfo", "StepSync", "dtype_order", "flatten_by_dtype", "scatter", "working_dtype"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+# Layout of the per-step control vector (float64, all-reduced with SUM).
+NONFINITE, ENTROPY, EPS_MIN, EPS_MAX, CONTROL_LEN = 0, 1, 2, 3, 4
+
+
+@dataclass
+class Group:
+    """The compressed matrices of one shape and dtype, batched into one bmm."""
+
+    shape: tuple[int, int]  # (m, n)
+    slots: list[int]  # parameter slots, in slot order
+    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
+    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
+    dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (*self.shape, str(self.dtype))
+
+
+@dataclass
+class StepInfo:
+    """What EDGCState decided at the start of a step (EDGCState._begin_step)."""
+
+    step: int
+    compressed: bool  # low-rank round (else every unit is all-reduced whole)
+    want_entropy: bool  # a sampled step: measure and agree the entropy
+    want_errors: bool  # the warm-up error check (whole-step only)
+    flush: bool  # add the error feedback to this gradient first (whole-step only)
+    scale: float  # the loss scale the gradients carry
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype compression arithmetic runs in: float32 for half-precision gradients."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def dtype_order(dtypes: Any) -> list[torch.dtype]:
+    """Distinct dtypes in a fixed order (by name), so every replica issues alike."""
+    return sorted(set(dtypes), key=str)
+
+
+def flatten_by_dtype(tensors: Any, order: Sequence[int]) -> list[tuple[torch.Tensor, list[int]]]:
+    """The tensors at positions `order` (of a list, or keys of a dict), flattened into one
+    buffer per dtype (dtypes in a fixed order); returns (flat buffer, positions it holds)
+    pairs. The buffers are copies."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in order:
+        by_dtype.setdefault(tensors[i].dtype, []).append(i)
+    return [(torch.cat([tensors[i].reshape(-1) for i in by_dtype[d]]), by_dtype[d]) for d in dtype_order(by_dtype)]
+
+
+def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of `flat` into the tensors `outs`."""
+    offset = 0
+    for t in outs:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+@dataclass
+class _PartPlan:
+    """The matrices of one group that a unit holds."""
+
+    group: Group
+    column: int  # the group's position in EDGCState.groups (its column of the window sums)
+    index: slice | torch.Tensor  # their positions in the group: a slice when consecutive
+    slots: list[int]  # their slots, in group order
+
+
+@dataclass
+class UnitPlan:
+    """What a unit sends whole and what it compresses; cached per unit by EDGCState."""
+
+    slots: tuple[int, ...]  # in slot order
+    uncompressed: list[int]  # slots sent whole, in slot order
+    parts: list[_PartPlan]  # compressed matrices, by group in group order
+
+
+def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.device) -> UnitPlan:
+    """The UnitPlan of the unit `slots`; `groups` None: a step sent uncompressed."""
+    ordered = tuple(sorted(slots))
+    if not groups:
+        return UnitPlan(ordered, list(ordered), [])
+    where = {s: (c, pos) for c, g in enumerate(groups) for pos, s in enumerate(g.slots)}
+    positions: dict[int, list[int]] = {}
+    for s in ordered:
+        if s in where:
+            c, pos = where[s]
+            positions.setdefault(c, []).append(pos)
+    parts = []
+    for c in sorted(positions):
+        pos = positions[c]  # ascending, as slots and g.slots are
+        consecutive = pos == list(range(pos[0], pos[-1] + 1))
+        index = slice(pos[0], pos[-1] + 1) if consecutive else torch.tensor(pos, dtype=torch.long, device=device)
+        parts.append(_PartPlan(groups[c], c, index, [groups[c].slots[p] for p in pos]))
+    return UnitPlan(ordered, [s for s in ordered if s not in where], parts)
+
+
+@dataclass
+class _Part:
+    """One group's matrices of a unit, in flight."""
+
+    plan: _PartPlan
+    m: torch.Tensor  # (B', m, n) M = G + error, then the new error; working dtype
+    q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on
+    p: torch.Tensor | None = None  # (B', m, r) working dtype
+    p_send: torch.Tensor | None = None  # the same on the wire (a view of the unit's P buffer)
+    q: torch.Tensor | None = None  # (B', n, r)
+    q_send: torch.Tensor | None = None
+
+
+@dataclass
+class _Round:
+    """One unit's round in flight."""
+
+    plan: UnitPlan
+    flats: list[tuple[torch.Tensor, list[int]]]  # uncompressed part, one buffer per dtype
+    parts: list[_Part] = field(default_factory=list)
+    p_flats: list[torch.Tensor] = field(default_factory=list)
+    q_flats: list[torch.Tensor] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)  # EDGCState._Issued of the collectives in flight
+    call: int = 0  # the hook call that issued them
+
+
+class StepSync:
+    """One step of EDGCState's hook: takes DDP's buckets one by one (`add`), issues the
+    step's collectives in the fixed order the module doc describes, and completes each
+    bucket's future with its averaged buffer. `finish` is called at the last bucket."""
+
+    def __init__(self, state: EDGCState, pipelined: bool) -> None:
+        self.state = state
+        self.pipelined = pipelined  # slots are known at the first bucket: start units as they arrive
+        self.whole = state.config.sync_mode == "whole-step"
+        self.call = 0
+        self.buckets: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
+        self.grads: dict[int, torch.Tensor] = {}  # slot -> its gradient, a view of its bucket
+        self.owner: dict[int, int] = {}  # slot -> its bucket in this step
+        self.left: list[int] = []  # per bucket: slots not yet averaged
+        self.layout: list[tuple[int, ...]] = []  # this step's buckets as slots
+        self.units: list[tuple[int, ...]] = []
+        self.started = 0  # units[:started] are under way
+        self.in_p: list[_Round] = []  # P issued, not finished
+        self.in_q: list[_Round] = []  # last collective issued, not completed
+        self.info: StepInfo | None = None
+        self.step_comm = LapSum()  # this step's time waiting for collectives (the DAC's T(r))
+        self.plain_lap: Lap | None = None
+        if pipelined:
+            self._begin()
+
+    # ------------------------------------------------------------------ DDP's side
+
+    def add(self, buffer: torch.Tensor, params: list[torch.Tensor], future: torch.futures.Future) -> None:
+        """Take DDP's next bucket; in the pipelined mode, start and finish units."""
+        self.call += 1
+        self.buckets.append((buffer, params, future))
+        if not self.pipelined:
+            return  # (whole-step: everything happens at the last bucket)
+        slots = self.state._bucket_views(buffer, params, self.grads)
+        self._arrive(len(self.buckets) - 1, slots, buffer)
+        self._advance()
+
+    def finish(self) -> None:
+        """At the last bucket: start what is left, drain every round, agree the control
+        values, commit the step and let EDGCState decide."""
+        state = self.state
+        if not self.pipelined:
+            grads, layout = state._assign_slots(self.buckets)
+            self.grads = dict(enumerate(grads))
+            self._begin()
+            for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets)):
+                self._arrive(b, slots, buffer)
+            if self.whole:
+                self.units = [tuple(range(len(grads)))]
+        if len(self.grads) != len(state.slot_shapes):
+            raise RuntimeError(
+                "EDGC saw a step without some parameters' gradients; the hook needs every "
+                "parameter in every step (do not use find_unused_parameters with EDGC)")
+        info = self.info
+        grads = [self.grads[s] for s in range(len(state.slot_shapes))]
+        if info.flush:
+            state._flush_error_feedback(grads)
+        control = self._control(grads)
+        if not info.compressed and not state.calibration["done"]:
+            self.plain_lap = start_lap(state.device)
+        self._start_ready()
+        if self.started != len(self.units):
+            raise RuntimeError("EDGC: the step's units do not cover its parameters")  # (a corrupt plan)
+        for r in self.in_p:
+            self._finish_p(r)
+        self.in_p = []
+        for r in self.in_q:
+            self._complete(r)
+        self.in_q = []
+        if self.plain_lap is not None:
+            self.plain_lap.stop()
+        if control is not None:
+            state._wait([control[1]])
+            control = control[0]
+            control[ENTROPY:] /= state.world_size
+        finite = self._commit() if info.compressed else True
+        if len(self.layout) > 1:
+            state._units = self.layout  # the units from the next step on (see "The plan")
+        state._end_step(info, control, grads, finite, self.step_comm, self.plain_lap)
+
+    def fail(self, exc: BaseException) -> None:
+        """Hand `exc` to every bucket future not completed yet (nobody waits forever)."""
+        for _, _, fut in self.buckets:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _begin(self) -> None:
+        state = self.state
+        self.info = info = state._begin_step()
+        self.units = [] if (self.whole or not state._units) else list(state._units)
+        self.bucket_units = not self.whole and not state._units  # DDP's buckets are the units
+        self.ok = torch.ones((), dtype=torch.bool, device=state.device)  # every sum so far finite
+        self.local_finite = torch.ones((), dtype=torch.bool, device=state.device)  # this replica's gradient
+        self.sample = None
+        if info.want_entropy:
+            offsets, dtype = state._sample_layout()
+            self.sample = torch.empty(offsets[-1], dtype=dtype, device=state.device)
+            self.sample_at = offsets
+        groups = list(state.groups.values()) if info.compressed else []
+        self.groups = groups
+        self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
+        self.next_q: dict[int, torch.Tensor] = {}
+        # (2, groups) float64 sums of the per-group policies, added to the window's at the
+        # commit: "budget" every step, "spectral" on sampled steps
+        policy = state.config.policy
+        self.sums = (torch.zeros(2, len(groups), dtype=torch.float64, device=state.device)
+                     if groups and (policy == "budget" or (policy == "spectral" and is_sampled_step(
+                         info.step, state.config.iteration_sample_rate))) else None)
+
+    def _arrive(self, b: int, slots: tuple[int, ...], buffer: torch.Tensor) -> None:
+        """Bucket b's gradient is here: note it, and sample it before it is averaged."""
+        state, info = self.state, self.info
+        self.layout.append(slots)
+        self.left.append(len(slots))
+        for s in slots:
+            self.owner[s] = b
+        state.bytes_uncompressed += buffer.numel() * buffer.element_size()
+        if info.want_entropy or info.want_errors:
+            self.local_finite &= torch.isfinite(buffer).all()
+        if self.sample is not None:
+            rate = state.config.gradient_sample_rate
+            for s in slots:
+                sample_into(self.sample[self.sample_at[s] : self.sample_at[s + 1]], self.grads[s], rate)
+        if self.bucket_units:
+            self.units.append(slots)
+
+    def _advance(self) -> None:
+        """The fixed lag of the pipelined mode (see the module doc)."""
+        self._start_ready()
+        due = [r for r in self.in_p if r.call < self.call]
+        self.in_p = [r for r in self.in_p if r.call == self.call]
+        for r in due:
+            self._finish_p(r)  # (into in_q, as issued in this call)
+        due = [r for r in self.in_q if r.call < self.call]
+        self.in_q = [r for r in self.in_q if r.call == self.call]
+        for r in due:
+            self._complete(r)
+
+    def _start_ready(self) -> None:
+        """Start the units, in order, whose slots have all arrived."""
+        while self.started < len(self.units) and all(s in self.grads for s in self.units[self.started]):
+            r = self._start(self.units[self.started])
+            self.started += 1
+            r.call = self.call
+            (self.in_p if r.parts else self.in_q).append(r)
+
+    def _done(self, slots: Sequence[int]) -> None:
+        """These slots hold their average: complete the futures of buckets now averaged."""
+        for s in slots:
+            b = self.owner[s]
+            self.left[b] -= 1
+            if self.left[b] == 0:
+                buffer, _, fut = self.buckets[b]
+                fut.set_result(buffer)
+
+    # ------------------------------------------------------------------ the rounds
+
+    def _start(self, unit: tuple[int, ...]) -> _Round:
+        """M and P of a unit, and its first collectives."""
+        state = self.state
+        plan = state._unit_plan(unit, self.groups)
+        r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed))
+        for part in plan.parts:
+            r.parts.append(self._project_p(part))
+        if r.parts:
+            r.p_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[0], state.device)
+            for part, p, send in zip(r.parts, works, sends):
+                part.p, part.p_send = p, send
+                project_p(part.m, part.q_in, out=p)
+                if send is not p:
+                    send.copy_(p)  # (to the wire dtype)
+        # collectives: all-reduce SUM of the unit's uncompressed tensors (numel * element_size
+        # bytes), then of its P ((m*r) per matrix), one buffer per dtype each
+        r.works = [state._all_reduce(flat, async_op=True) for flat, _ in r.flats]
+        r.works += [state._all_reduce(flat, async_op=True) for flat in r.p_flats]
+        return r
+
+    def _project_p(self, part: _PartPlan) -> _Part:
+        """M = G + error for a unit's matrices of one group, written where the group's new
+        error feedback will live when their positions in the group are consecutive."""
+        g, index, info = part.group, part.index, self.info
+        work = working_dtype(g.dtype)
+        views = [self.grads[s].view(g.shape) for s in part.slots]
+        if g.error is None:
+            m = torch.stack(views).to(work)  # (B', m, n)
+        else:
+            if part.column not in self.next_error:
+                self.next_error[part.column] = torch.empty_like(g.error)
+            if isinstance(index, slice):
+                m = self.next_error[part.column][index]  # (B', m, n), a view
+                torch.stack(views, out=m)
+            else:
+                m = torch.stack(views).to(work)
+            old = g.error[index] if isinstance(index, slice) else g.error.index_select(0, index)
+            m.add_(old, alpha=info.scale)  # (the residual is kept unscaled)
+        q_in = g.q[index] if isinstance(index, slice) else g.q.index_select(0, index)
+        return _Part(part, m, q_in)
+
+    def _finish_p(self, r: _Round) -> None:
+        """Wait for a unit's P; orthogonalise it, project Q and issue Q's all-reduce."""
+        state = self.state
+        state._wait(r.works, self.step_comm)
+        for flat in [*(f for f, _ in r.flats), *r.p_flats]:
+            self.ok &= torch.isfinite(flat).all()  # (on the device: read once, at the commit)
+        for part in r.parts:
+            if part.p_send is not part.p:
+                part.p.copy_(part.p_send)  # the sum, as it arrived
+            orthogonalize_(part.p)
+        r.q_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[1], state.device)
+        for part, q, send in zip(r.parts, works, sends):
+            part.q, part.q_send = q, send
+            project_q(part.m, part.p, out=q)
+            if send is not q:
+                send.copy_(q)
+        if self.sums is not None and state.config.policy == "budget":
+            # ‖M‖² and, P being orthonormal, ‖PᵀM‖² = ‖Q‖² kept by the subspace (local, before the sum)
+            # (norms in the working dtype, no float64 copy of M; squared in float64)
+            for part in r.parts:
+                kept = torch.stack([torch.linalg.vector_norm(part.m), torch.linalg.vector_norm(part.q)])
+                self.sums[:, part.plan.column] += kept.double().pow(2)
+        # collectives: all-reduce SUM of the unit's Q ((n*r) per matrix), one buffer per dtype
+        r.works = [state._all_reduce(flat, async_op=True) for flat in r.q_flats]
+        r.call = self.call
+        self.in_q.append(r)
+
+    def _complete(self, r: _Round) -> None:
+        """Wait for a unit's last collectives; write its average into the buckets and its
+        new error feedback and Q aside (committed at the end of the step)."""
+        state, info = self.state, self.info
+        state._wait(r.works, self.step_comm)
+        if info.compressed and not r.parts:
+            for flat in (f for f, _ in r.flats):
+                self.ok &= torch.isfinite(flat).all()
+        for part in r.parts:
+            g, index = part.plan.group, part.plan.index
+            if part.q_send is not part.q:
+                part.q.copy_(part.q_send)
+            part.q.div_(state.world_size)
+            m_hat = reconstruct(part.p, part.q)  # (B', m, n), working dtype
+            for i, s in enumerate(part.plan.slots):
+                self.grads[s].copy_(m_hat[i].view(self.grads[s].shape))
+            if g.error is not None:
+                error_feedback_(part.m, m_hat)
+                if info.scale != 1.0:
+                    part.m.div_(info.scale)
+                if not isinstance(index, slice):
+                    self.next_error[part.plan.column].index_copy_(0, index, part.m)
+            if part.plan.column not in self.next_q:
+                self.next_q[part.plan.column] = torch.empty_like(g.q)
+            if isinstance(index, slice):
+                self.next_q[part.plan.column][index] = part.q
+            else:
+                self.next_q[part.plan.column].index_copy_(0, index, part.q)
+        for flat, slots in r.flats:
+            flat.div_(state.world_size)
+            scatter(flat, [self.grads[s] for s in slots])
+        self._done(r.plan.slots)
+
+    # ------------------------------------------------------------------ the step's end
+
+    def _control(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, Any] | None:
+        """Measure this replica's entropy and warm-up errors and issue their all-reduce
+        (waited for in the drain); None on steps that need neither."""
+        state, info, cfg = self.state, self.info, self.state.config
+        if not (info.want_entropy or info.want_errors):
+            return None
+        lap = start_lap(state.device)
+        control = torch.zeros(CONTROL_LEN, dtype=torch.float64)
+        control[NONFINITE] = float(not bool(self.local_finite))
+        if info.want_entropy:
+            sample = self.sample
+            if info.scale != 1.0:
+                sample.div_(info.scale)  # the entropy of the true gradient, not of the scaled one
+            control[ENTROPY] = estimate_entropy(sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
+        if info.want_errors:
+            mats = [g for s, g in enumerate(grads)
+                    if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
+            if not mats:
+                eps = [float("nan"), float("nan")]
+            elif cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
+                eps = [e / info.scale for e in lowrank_l1_error(mats, [state.r_min, state.r_max])]
+            else:
+                eps = relative_lowrank_error(mats, [state.r_min, state.r_max])
+            control[EPS_MIN], control[EPS_MAX] = eps
+        state._entropy.add(lap.stop())
+        # collective: all-reduce SUM of 4 float64 values (32 bytes), issued at the last bucket
+        # (pipelined: after every unit's P) and waited for at the end of the step
+        return control, state._all_reduce(control, async_op=True, device_copy=state.device)
+
+    def _commit(self) -> bool:
+        """Keep the step's new error feedback and Q if every sum was finite; returns
+        whether it was. One host read: that flag and each group's count of all-zero Q."""
+        state = self.state
+        dead = [self.next_q[c].flatten(1).abs().amax(dim=1) == 0 for c in range(len(self.groups))]
+        flags = torch.stack([self.ok.long(), *(d.sum() for d in dead)]).tolist()
+        if not flags[0]:
+            state.nonfinite_steps += 1
+            return False
+        if self.sums is not None and state.config.policy == "spectral":
+            # Q is the replicas' average: the same spectrum everywhere (local work, no collective;
+            # once per group here, as eigvalsh waits for the device)
+            for c in range(len(self.groups)):
+                e = effective_ranks(self.next_q[c])  # (B,)
+                self.sums[:, c] += torch.stack([e.nan_to_num(0.0).sum(), e.isfinite().sum().double()])
+        for c, g in enumerate(self.groups):
+            if g.error is not None:
+                g.error = self.next_error[c]
+            g.q = self.next_q[c]
+            state._revive_dead_q(g, dead[c], flags[1 + c])
+        if self.sums is not None:
+            state._add_window_sums(self.sums)
+        state.compressed_steps += 1
+        state._residual_pending = True
+        return True
+
+
+def _factor_buffers(
+    parts: list[_Part], rows: Callable[[Group], int], device: torch.device | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Flat wire buffers (one per dtype, in dtype order) for one factor of every part,
+    whose matrices have `rows(group)` rows; returns (flats, working views, wire views).
+
+    Where a group works in its wire dtype, its working view is its wire view (no copy).
+    """
+    groups = [part.plan.group for part in parts]
+    flats, sends = [], [None] * len(parts)
+    for dtype in dtype_order(g.dtype for g in groups):
+        members = [i for i, g in enumerate(groups) if g.dtype == dtype]
+        shapes = [(len(parts[i].plan.slots), rows(groups[i]), parts[i].q_in.shape[-1]) for i in members]
+        flat = torch.empty(sum(b * n * r for b, n, r in shapes), dtype=dtype, device=device)
+        for i, view, shape in zip(members, flat.split([b * n * r for b, n, r in shapes]), shapes):
+            sends[i] = view.view(shape)  # (B', rows, r)
+        flats.append(flat)
+    works = [send if working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=working_dtype(g.dtype))
+             for g, send in zip(groups, sends)]
+    return flats, works, sends

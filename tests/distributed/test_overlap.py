@@ -1,0 +1,69 @@
+"""The pipelined sync mode against the whole-step one, under DDP on several gloo processes."""
+
+import pytest
+import torch
+
+import workers
+from harness import run_workers
+from test_hook_ddp import DYNAMIC
+
+STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup_error_check=False, min_compression_rate=1.0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_both_modes_give_the_same_average_and_residuals_in_float64(world):
+    steps = 8
+    results = run_workers(workers.compare_modes, world, STATIC, steps, 0.005, timeout=300)
+    for r in results:
+        whole, piped = r["whole-step"], r["pipelined"]
+        assert piped["buckets"] >= 4, "the model must span several DDP buckets"
+        assert piped["group_sizes"] == [1, 1, 1, 3]  # mixed shapes, and one shape three times
+        assert whole["stats"].compressed_steps == piped["stats"].compressed_steps == steps - 2
+        assert whole["stats"].bytes_sent == piped["stats"].bytes_sent
+        # (with 3 replicas the sums' float order depends on how the buffers are cut)
+        for a, b in zip(whole["grads"], piped["grads"]):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+        for key in whole["error"]:
+            torch.testing.assert_close(piped["error"][key], whole["error"][key], rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(piped["q"][key], whole["q"][key], rtol=1e-12, atol=1e-15)
+        # the whole-step mode issues at the last bucket only; the pipelined one during the
+        # backward pass (after DDP's first step, which is one bucket of everything)
+        assert all(last for step, _, last, _, _ in whole["issued"] if step >= 2)
+        early = [b for step, b, last, _, _ in piped["issued"] if step >= 3 and not last]
+        assert len(early) >= 2 * (steps - 2) * (piped["buckets"] - 2)
+    for mode in ("whole-step", "pipelined"):
+        sequences = [[(s, b, n, d) for s, b, _, n, d in r[mode]["issued"]] for r in results]
+        assert all(seq == sequences[0] for seq in sequences[1:]), f"{mode}: replicas issued different collectives"
+    if world == 2:  # sums of two are exact whatever the order: the modes agree bit for bit
+        for a, b in zip(results[0]["whole-step"]["grads"], results[0]["pipelined"]["grads"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "whole-step"])
+def test_nonfinite_late_bucket_leaves_every_replica_s_buffers_untouched(mode):
+    cfg = dict(DYNAMIC, sync_mode=mode)
+    out = run_workers(workers.nonfinite_late_bucket_check, 2, cfg, 10, 16, timeout=240)
+    for r in out:
+        assert r["untouched"] is True
+        assert r["skipped"] == 1 and r["stats"].nonfinite_steps == 1
+        assert not all(r["finite_buckets"])
+        assert bool(torch.isfinite(r["params"]).all())
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    assert out[0]["finite_buckets"] == out[1]["finite_buckets"]
+
+
+def test_pipelined_resume_on_3_replicas_equals_uninterrupted_run():
+    # With 3 replicas the sums' float order depends on the cut into units: the resumed
+    # job's first step (one DDP bucket) must be cut as the uninterrupted run's was.
+    # (test_hook_ddp resumes 2 replicas, whose sums are exact in any order.)
+    out = run_workers(workers.resume_check, 3, DYNAMIC, 22, timeout=300)
+    for r in out:
+        assert r["resumed"] == r["straight"]
+        assert torch.equal(r["resumed_params"], r["straight_params"])
+
+
+def test_a_state_saved_before_the_pipelined_mode_resumes():
+    out = run_workers(workers.resume_check, 2, DYNAMIC, 22, True, timeout=240)
+    for r in out:
+        assert r["resumed"] == r["straight"]
+        assert torch.equal(r["resumed_params"], r["straight_params"])
