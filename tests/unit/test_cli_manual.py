@@ -34,7 +34,8 @@ def _help() -> str:
 def test_train_help_reads_as_a_manual():
     text = _help()
     # choices, defaults and docstrings
-    assert "--method {none,powersgd,torch-powersgd,edgc} Gradient sync:" in text
+    assert "--method {none,powersgd,torch-powersgd,edgc,compute-only} Gradient sync:" in text
+    assert "\"compute-only\" syncs nothing" in text
     assert '"none" (plain all-reduce)' in text and "(default: edgc)" in text
     assert "--log {jsonl,tensorboard}" in text and "(default: jsonl)" in text
     assert "--steps INT Optimiser steps. (default: 300)" in text
