@@ -99,7 +99,7 @@ def test_comm_benchmark_loopback_two_workers(tmp_path, capsys):
 def test_bench_train_loopback(tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "train", "--loopback", "--nproc", "2", "--steps", "6", "--methods",
-                 "none,compute-only,edgc,edgc-wholestep", "--rank", "4", "--out", str(out), "--", "--batch-size", "2",
+                 "compute-only,none,edgc,edgc-wholestep", "--rank", "4", "--out", str(out), "--", "--batch-size", "2",
                  "--block-size", "32", "--eval-tokens", "256", "--edgc-warmup-steps", "2"]) == 0
     text = (out / "bench.md").read_text()
     first_table = text.split("\n\n")[2]  # (after the title and the setup line; the report's tables follow)
@@ -110,6 +110,10 @@ def test_bench_train_loopback(tmp_path):
     # the compute-only run sends nothing; the whole-step run was made in that mode
     assert (out / "compute-only" / "metrics.jsonl").is_file() and float(rows["compute-only"][8]) == 0.0
     assert json.loads((out / "edgc-wholestep" / "config.json").read_text())["edgc"]["sync_mode"] == "whole-step"
+    # compute-only's loss is no target, and no ratio is taken against its zero bytes
+    target = float(rows["run"][11].split("val loss")[1].split("(s)")[0])
+    assert target == pytest.approx(max(float(rows[n][9]) for n in ("none", "edgc", "edgc-wholestep")), abs=1e-3)
+    assert "nan" not in text
 
 
 @pytest.mark.slow

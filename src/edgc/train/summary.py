@@ -107,7 +107,7 @@ def table_cells(summaries: list[RunSummary]) -> tuple[list[str], list[list[str]]
         rows.append([
             s.name, s.method, str(s.steps), _loss_with_se(s.final_val_loss, s.final_val_loss_se), versus,
             f"{s.final_val_ppl:.2f}", f"{s.total_bytes / 1e6:.1f}",
-            f"{s.total_bytes / base.total_bytes if base.total_bytes else math.nan:.3f}",
+            f"{s.total_bytes / base.total_bytes:.3f}" if base.total_bytes else "—",
             f"{s.mean_step_time * 1e3:.1f}", f"{s.total_comm_time:.2f}", str(s.final_rank),
         ])
     return header, rows
