@@ -15,6 +15,7 @@ from edgc.data import TokenFile, write_token_file
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
 from edgc.train.evaluation import LossMoments, block_losses, eval_batches, eval_starts
+from edgc.train.metrics import perplexity
 from edgc.train.summary import compare_loss
 from edgc.train.trainer import evaluate
 
@@ -115,7 +116,7 @@ def _fake_run(folder, val_loss: float, se: float) -> None:
     train = {"kind": "train", "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1.0, "step_time": 0.1, "comm_time": 0.01,
              "bytes_sent": 100, "bytes_uncompressed": 100, "rank": 0, "entropy": 0.0, "phase": "warmup"}
     lines = [{"step": s, **train} for s in (1, 2)]
-    lines.append({"step": 2, "kind": "val", "val_loss": val_loss, "val_loss_se": se, "val_ppl": math.exp(val_loss),
+    lines.append({"step": 2, "kind": "val", "val_loss": val_loss, "val_loss_se": se, "val_ppl": perplexity(val_loss),
                   "val_tokens": 6400, "val_time": 0.5})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
@@ -152,3 +153,17 @@ def test_a_diverged_run_is_logged_summarised_and_reported(tmp_path, capsys):
     assert main(["report", str(tmp_path / "ok"), str(tmp_path / "nan"), "--out", str(tmp_path / "rep")]) == 0
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
     assert "| not finite | — |" in rows["nan"]
+
+
+def test_a_finite_loss_too_large_for_exp_is_summarised_and_reported(tmp_path, capsys):
+    # --lr 100: a finite validation loss of 5.7e5 nats; exp() of it overflows
+    from edgc.train.summary import write_summary
+
+    assert perplexity(709.0) == math.exp(709.0) and perplexity(710.0) == math.inf == perplexity(math.inf)
+    assert math.isnan(perplexity(math.nan))
+    _fake_run(tmp_path / "ok", 5.0, 0.005)
+    _fake_run(tmp_path / "huge", 573954.1145, 14178.3)
+    assert "| 573954.1145 ± 14178.3000 |" in write_summary(tmp_path / "huge").read_text()
+    assert main(["report", str(tmp_path / "ok"), str(tmp_path / "huge"), "--out", str(tmp_path / "rep")]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert rows["huge"].split("|")[6].strip() == "inf"  # val ppl

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from edgc.train.metrics import read_metrics
+from edgc.train.metrics import perplexity, read_metrics
 from edgc.train.plots import plot_runs
 
 __all__ = ["RunSummary", "compare_loss", "load_run", "show_table", "stage_table", "summarize", "table", "table_cells",
@@ -60,7 +60,7 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
     last_se = val[-1].get("val_loss_se") if val else None
     return RunSummary(
         name=name, method=config.get("method", "?"), steps=train[-1]["step"],
-        final_val_loss=last_val, final_val_ppl=math.exp(last_val) if math.isfinite(last_val) else math.nan,
+        final_val_loss=last_val, final_val_ppl=perplexity(last_val),
         total_bytes=sum(r["bytes_sent"] for r in train),
         total_bytes_uncompressed=sum(r["bytes_uncompressed"] for r in train),
         mean_step_time=sum(r["step_time"] for r in timed) / len(timed),
