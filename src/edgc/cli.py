@@ -338,17 +338,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _crash_log(args: argparse.Namespace, text: str) -> Path:
-    """Append a traceback to the run folder's errors.log (train), else to a file in the
-    temporary folder; returns its path."""
+    """Append a traceback to the run folder's errors.log (train), else, or when that
+    cannot be written (a read-only folder), to a file in the temporary folder; returns
+    its path."""
     folder = getattr(args, "resume", None) or getattr(args, "out", None)
     if folder and Path(folder).is_file():  # (--resume FILE)
         folder = Path(folder).parent
+    paths = [Path(tempfile.gettempdir()) / f"edgc-error-{os.getpid()}.log"]
     if args.command == "train" and folder and Path(folder).is_dir():
-        path = Path(folder) / "errors.log"
-    else:
-        path = Path(tempfile.gettempdir()) / f"edgc-error-{os.getpid()}.log"
-    with open(path, "a") as f:
-        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} edgc {args.command}\n{text}\n")
+        paths.insert(0, Path(folder) / "errors.log")
+    for path in paths:
+        try:
+            with open(path, "a") as f:
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} edgc {args.command}\n{text}\n")
+            break
+        except OSError:
+            continue
     return path
 
 

@@ -5,6 +5,8 @@ train parser from its field's type, so a new flag is covered without touching th
 import argparse
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -218,6 +220,29 @@ def test_out_must_be_a_folder_or_makeable(workdir, capsys):
         TrainConfig(data_cache="afile/x").validate()
     TrainConfig(out="new/deeper/run").validate()  # a folder that can be made is fine (and is not made)
     assert not (workdir / "new").exists()
+
+
+def test_a_read_only_out_is_refused_before_anything_runs(tmp_path):
+    # (it used to fail only at the first checkpoint, after training; then with a traceback
+    # at the run folder's lock)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "old.txt").write_text("kept")
+    ro.chmod(0o555)
+    command = [sys.executable, "-m", "edgc", "train", "--data", "nothere", "--no-progress"]
+    if os.geteuid() == 0:  # root writes anywhere; as the unmapped user of a new user namespace it does not
+        if shutil.which("unshare") is None or subprocess.run(["unshare", "--user", "true"]).returncode:
+            pytest.skip("running as root, and no user namespace to drop the right to write anywhere")
+        command = ["unshare", "--user", *command]
+    try:
+        for out, where in (("ro", "this folder"), ("ro/run", "'ro', where it would be made,")):
+            proc = subprocess.run([*command, "--out", out], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+            assert proc.stderr == f"edgc train: error: out={out!r}: cannot be written: {where} is read-only here " \
+                                  "(a read-only file system or no write permission)\n"
+    finally:
+        ro.chmod(0o755)
+    assert [p.name for p in ro.iterdir()] == ["old.txt"]
 
 
 # ---------------------------------------------------------------- config files
