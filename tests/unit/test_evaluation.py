@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -167,3 +169,17 @@ def test_a_finite_loss_too_large_for_exp_is_summarised_and_reported(tmp_path, ca
     assert main(["report", str(tmp_path / "ok"), str(tmp_path / "huge"), "--out", str(tmp_path / "rep")]) == 0
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
     assert rows["huge"].split("|")[6].strip() == "inf"  # val ppl
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"method": "none",', "'bad/config.json' is not valid JSON (Expecting property name"),
+    (b"\xff{}", "'bad/config.json' is not valid JSON ('utf-8' codec can't decode byte 0xff"),
+    (b"[1, 2]", "'bad/config.json' must hold a JSON object of the run's settings"),
+])
+def test_edgc_report_names_a_broken_config_json(tmp_path, content, message):
+    _fake_run(tmp_path / "bad", 5.0, 0.005)
+    (tmp_path / "bad" / "config.json").write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "edgc", "report", "bad", "--out", "rep"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"edgc report: error: {message}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "rep").exists()

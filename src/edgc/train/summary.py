@@ -40,12 +40,21 @@ class RunSummary:
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(config, metrics records) of a run folder; raises FileNotFoundError naming what is missing."""
+    """(config, metrics records) of a run folder; raises FileNotFoundError naming what is
+    missing, and ValueError naming a config.json that is not a JSON object."""
     run_dir = Path(run_dir)
     for name in ("config.json", "metrics.jsonl"):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{str(run_dir)!r} is not an edgc run folder: {name} is missing")
-    return json.loads((run_dir / "config.json").read_text()), read_metrics(run_dir / "metrics.jsonl")
+    path = run_dir / "config.json"
+    try:
+        config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); the run's settings are also in its "
+                         f"checkpoint.pt, and a resume writes config.json afresh") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object of the run's settings")
+    return config, read_metrics(run_dir / "metrics.jsonl")
 
 
 def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) -> RunSummary:
