@@ -151,6 +151,29 @@ def test_bad_values_of_every_flag_end_in_one_line(action, workdir, capsys):
     assert ({p.name for p in workdir.iterdir()}, _hashes(workdir / "run")) == before
 
 
+# The flags that say which run, not how to train: their bad values, by hand (a new flag of
+# this kind fails the test below until it is given some here).
+RUN_FLAG_BAD = {
+    "--config": ["", " ", "nothere.toml", "{file}", "{file}/sub", "run", "run/config.json/x"],
+    "--resume": ["", " ", "nothere", "{file}", "{file}/sub", "run", "run/config.json", "run/nothere.pt"],
+    "--auto-resume": ["true", ""],  # (flags without a value)
+    "--overwrite": ["true", ""],
+}
+
+
+def test_bad_values_of_the_run_flags_end_in_one_line(workdir, capsys):
+    others = {a.option_strings[0] for a in _train_parser()._actions if a.option_strings and a.dest != "help"}
+    assert others - {a.option_strings[0] for a in FLAGS} == set(RUN_FLAG_BAD)
+    before = {p.name for p in workdir.iterdir()}, _hashes(workdir / "run")
+    for flag, values in RUN_FLAG_BAD.items():
+        for value in values:
+            value = value.replace("{file}", str(workdir / "afile"))
+            code, err = _run(["train", f"{flag}={value}", "--steps", "3"], capsys)
+            line = _one_line(err)
+            assert code == 2 and "already holds a run" not in line, (flag, value, line)
+    assert ({p.name for p in workdir.iterdir()}, _hashes(workdir / "run")) == before
+
+
 def test_allowed_pairs_name_real_flags_and_listed_values():
     # (keeps the allow-list honest: an entry for a renamed flag or value would excuse nothing)
     flags = {a.option_strings[0]: a for a in FLAGS}
