@@ -323,16 +323,42 @@ def test_config_file_reads_tables(workdir):
 # ---------------------------------------------------------------- the door users use
 
 
+def _slow(args, message):
+    return pytest.param(args, message, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--lr", "nan"], "edgc train: error: argument --lr: expected a finite number, got 'nan'"),
     (["--steps", "true"], "edgc train: error: argument --steps: expected an integer, got 'true'"),
     (["--config", "list.json"], "edgc train: error: config file 'list.json' must hold a table of options"),
     (["--out", "afile/run"], "edgc train: error: out='afile/run': lies under 'afile', which is a file"),
+    # every other input issue 11 lists (items 9-11), as it was typed
+    _slow(["--lr", "inf"], "edgc train: error: argument --lr: expected a finite number, got 'inf'"),
+    _slow(["--lr", "1e-3x"], "edgc train: error: argument --lr: expected a finite number, got '1e-3x'"),
+    _slow(["--grad-clip", "nan"], "edgc train: error: argument --grad-clip: expected a finite number, got 'nan'"),
+    _slow(["--weight-decay", "nan"], "edgc train: error: argument --weight-decay: expected a finite number, got 'nan'"),
+    _slow(["--bucket-cap-mb", "NaN"], "edgc train: error: argument --bucket-cap-mb: expected a finite number, got 'NaN'"),
+    _slow(["--edgc-min-compression-rate", "NaN"],
+          "edgc train: error: argument --edgc-min-compression-rate: expected a finite number, got 'NaN'"),
+    _slow(["--config", "edgc5.toml"], "edgc train: error: config file 'edgc5.toml': edgc must be an [edgc] table"),
+    _slow(["--out", "afile"], "edgc train: error: out='afile': is a file, not a folder"),
+    _slow(["--weight-decay", "-5"], "edgc train: error: weight_decay=-5.0: must be >= 0"),
+    _slow(["--bucket-cap-mb", "0"], "edgc train: error: bucket_cap_mb=0.0: must be in (0, 1048576] (MB)"),
+    _slow(["--bucket-cap-mb", "-1"], "edgc train: error: bucket_cap_mb=-1.0: must be in (0, 1048576] (MB)"),
+    _slow(["--config", "config.json"], "edgc train: error: config file 'config.json' is not valid JSON: Expecting"),
+    _slow(["--config", "x.yaml"], "edgc train: error: config file 'x.yaml': only TOML (.toml) and JSON (.json)"),
+    _slow(["--config", "run"], "edgc train: error: config file 'run' is a folder, not a file"),
+    _slow(["--config", "latin1.toml"], "edgc train: error: config file 'latin1.toml' is not UTF-8 text"),
 ])
 def test_python_m_edgc_train_gives_one_line(args, message, workdir):
     (workdir / "list.json").write_text("[1, 2]")
-    proc = subprocess.run([sys.executable, "-m", "edgc", "train", *args], cwd=workdir, capture_output=True,
-                          text=True, timeout=120)
+    (workdir / "edgc5.toml").write_text("edgc = 5")
+    (workdir / "config.json").write_text('{"steps": 3,}')
+    (workdir / "x.yaml").write_text("steps: 3")
+    (workdir / "latin1.toml").write_bytes(b'out = "caf\xe9"')
+    # (an accepted value would stop at "already holds a run", not train; a given --out wins)
+    proc = subprocess.run([sys.executable, "-m", "edgc", "train", "--out", "run", *args], cwd=workdir,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 
