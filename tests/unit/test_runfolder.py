@@ -78,12 +78,14 @@ def test_the_divergence_guard_keeps_the_last_finite_checkpoint_and_says_why(capl
     guard.observe(1, loss=math.nan, grad_norm=1.0)
     assert not guard.may_save(1, finite)
     assert "step 1: no checkpoint written, the loss or gradient norm of this step was not finite " \
-           "(no checkpoint was written yet)" in caplog.text
+           "(no checkpoint was written yet; so for every checkpoint step until one is finite again)" in caplog.text
     guard.observe(2, loss=5.0, grad_norm=1.0)
     assert guard.may_save(2, finite) and guard.checkpoint_step == 2
     guard.observe(3, loss=5.0, grad_norm=1.0)
     assert not guard.may_save(3, broken) and guard.checkpoint_step == 2
-    assert "the model's weights are not finite (the last good checkpoint, step 2, is kept)" in caplog.text
+    assert "the model's weights are not finite (the last good checkpoint, step 2, is kept;" in caplog.text
+    assert not guard.may_save(4, broken) and "step 4" not in caplog.text  # (said once per run of refusals)
+    assert len(caplog.records) == 2
     for step in (4, 5):
         guard.observe(step, loss=math.inf, grad_norm=math.nan)
     with pytest.raises(TrainingDiverged, match=r"3 steps in a row \(steps 4-6.*run/checkpoint.pt at step 2"):

@@ -50,6 +50,7 @@ class DivergenceGuard:
         self.checkpoint_step = checkpoint_step  # the last finite checkpoint's step (None: none yet)
         self.streak = 0
         self.finite = True  # the last step's loss and gradient norm
+        self.refused = False  # whether the last checkpoint step wrote none
 
     def observe(self, step: int, loss: float, grad_norm: float) -> None:
         """Record a step; raise TrainingDiverged after `limit` non-finite steps in a row."""
@@ -69,10 +70,14 @@ class DivergenceGuard:
                else None if all_finite(weights) else "the model's weights are not finite")
         if why is None:
             self.checkpoint_step = step
+            self.refused = False
             return True
-        kept = (f"the last good checkpoint, step {self.checkpoint_step}, is kept" if self.checkpoint_step is not None
-                else "no checkpoint was written yet")
-        logger.warning("step %d: no checkpoint written, %s (%s)", step, why, kept)
+        if not self.refused:  # (once per run of refusals: a diverged run would repeat it at every checkpoint step)
+            kept = (f"the last good checkpoint, step {self.checkpoint_step}, is kept" if self.checkpoint_step is not None
+                    else "no checkpoint was written yet")
+            logger.warning("step %d: no checkpoint written, %s (%s; so for every checkpoint step until one is "
+                           "finite again)", step, why, kept)
+        self.refused = True
         return False
 
 
