@@ -99,10 +99,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        description=_TRAIN_DESCRIPTION, epilog=_TRAIN_EXAMPLES, formatter_class=_Manual)
     p.__class__ = _OneLineErrors  # (argparse has no argument for one subcommand's parser class)
     run = p.add_argument_group("which run")
-    run.add_argument("--config", metavar="FILE",
+    run.add_argument("--config", metavar="FILE", type=_path_text,
                      help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, a [dac] table "
                           "for DACConfig); flags given here win")
-    run.add_argument("--resume", metavar="RUN",
+    run.add_argument("--resume", metavar="RUN", type=_path_text,
                      help="continue the run in this folder from its checkpoint.pt, or from a checkpoint file in it "
                           "(see --keep-checkpoints), with the settings it was made with")
     run.add_argument("--auto-resume", action="store_true",
@@ -151,6 +151,14 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
             metavar = ftype.metavar
         group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
                            metavar=metavar, help=help_text)
+
+
+def _path_text(text: str) -> str:
+    """A path given on the command line, as written; refuses empty text (which would
+    otherwise read as "not given": `--resume ""` started a new run with the defaults)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
 
 
 def _shown(default: object) -> str:
@@ -339,17 +347,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _crash_log(args: argparse.Namespace, text: str) -> Path:
-    """Append a traceback to the run folder's errors.log (train), else to a file in the
-    temporary folder; returns its path."""
+    """Append a traceback to the run folder's errors.log (train), else, or when that
+    cannot be written (a read-only folder), to a file in the temporary folder; returns
+    its path."""
     folder = getattr(args, "resume", None) or getattr(args, "out", None)
     if folder and Path(folder).is_file():  # (--resume FILE)
         folder = Path(folder).parent
+    paths = [Path(tempfile.gettempdir()) / f"edgc-error-{os.getpid()}.log"]
     if args.command == "train" and folder and Path(folder).is_dir():
-        path = Path(folder) / "errors.log"
-    else:
-        path = Path(tempfile.gettempdir()) / f"edgc-error-{os.getpid()}.log"
-    with open(path, "a") as f:
-        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} edgc {args.command}\n{text}\n")
+        paths.insert(0, Path(folder) / "errors.log")
+    for path in paths:
+        try:
+            with open(path, "a") as f:
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} edgc {args.command}\n{text}\n")
+            break
+        except OSError:
+            continue
     return path
 
 

@@ -174,6 +174,20 @@ def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path,
     assert "not finite" in (tmp_path / "report" / "report.md").read_text()
 
 
+def test_a_loss_too_large_for_exp_still_gives_a_summary_and_a_report(tmp_path, data_dir):
+    # --lr 100: the loss stays finite, but exp() of it overflows (the perplexity)
+    run = tmp_path / "run"
+    proc = _edgc(*_args(data_dir, run, "--steps", "3", "--lr", "100", "--eval-every", "1", "--method", "none"),
+                 cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Overflow" not in proc.stderr
+    val = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "val"]
+    assert len(val) == 3 and val[0]["val_loss"] > 710 and val[0]["val_ppl"] is None  # (inf, logged as null)
+    assert "| none | 3 |" in (run / "summary.md").read_text()
+    proc = _edgc("report", str(run), "--out", str(tmp_path / "report"), cwd=tmp_path)
+    assert proc.returncode == 0 and "| inf |" in (tmp_path / "report" / "report.md").read_text(), proc.stderr
+
+
 def test_a_corrupt_checkpoint_is_refused_on_load(tmp_path, data_dir):
     run = tmp_path / "run"
     assert main(_args(data_dir, run, "--steps", "4", "--stop-after", "2", "--method", "none")) == 0

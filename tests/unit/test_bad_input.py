@@ -5,6 +5,8 @@ train parser from its field's type, so a new flag is covered without touching th
 import argparse
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -149,6 +151,29 @@ def test_bad_values_of_every_flag_end_in_one_line(action, workdir, capsys):
     assert ({p.name for p in workdir.iterdir()}, _hashes(workdir / "run")) == before
 
 
+# The flags that say which run, not how to train: their bad values, by hand (a new flag of
+# this kind fails the test below until it is given some here).
+RUN_FLAG_BAD = {
+    "--config": ["", " ", "nothere.toml", "{file}", "{file}/sub", "run", "run/config.json/x"],
+    "--resume": ["", " ", "nothere", "{file}", "{file}/sub", "run", "run/config.json", "run/nothere.pt"],
+    "--auto-resume": ["true", ""],  # (flags without a value)
+    "--overwrite": ["true", ""],
+}
+
+
+def test_bad_values_of_the_run_flags_end_in_one_line(workdir, capsys):
+    others = {a.option_strings[0] for a in _train_parser()._actions if a.option_strings and a.dest != "help"}
+    assert others - {a.option_strings[0] for a in FLAGS} == set(RUN_FLAG_BAD)
+    before = {p.name for p in workdir.iterdir()}, _hashes(workdir / "run")
+    for flag, values in RUN_FLAG_BAD.items():
+        for value in values:
+            value = value.replace("{file}", str(workdir / "afile"))
+            code, err = _run(["train", f"{flag}={value}", "--steps", "3"], capsys)
+            line = _one_line(err)
+            assert code == 2 and "already holds a run" not in line, (flag, value, line)
+    assert ({p.name for p in workdir.iterdir()}, _hashes(workdir / "run")) == before
+
+
 def test_allowed_pairs_name_real_flags_and_listed_values():
     # (keeps the allow-list honest: an entry for a renamed flag or value would excuse nothing)
     flags = {a.option_strings[0]: a for a in FLAGS}
@@ -220,6 +245,29 @@ def test_out_must_be_a_folder_or_makeable(workdir, capsys):
     assert not (workdir / "new").exists()
 
 
+def test_a_read_only_out_is_refused_before_anything_runs(tmp_path):
+    # (it used to fail only at the first checkpoint, after training; then with a traceback
+    # at the run folder's lock)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "old.txt").write_text("kept")
+    ro.chmod(0o555)
+    command = [sys.executable, "-m", "edgc", "train", "--data", "nothere", "--no-progress"]
+    if os.geteuid() == 0:  # root writes anywhere; as the unmapped user of a new user namespace it does not
+        if shutil.which("unshare") is None or subprocess.run(["unshare", "--user", "true"]).returncode:
+            pytest.skip("running as root, and no user namespace to drop the right to write anywhere")
+        command = ["unshare", "--user", *command]
+    try:
+        for out, where in (("ro", "this folder"), ("ro/run", "'ro', where it would be made,")):
+            proc = subprocess.run([*command, "--out", out], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+            assert proc.stderr == f"edgc train: error: out={out!r}: cannot be written: {where} is read-only here " \
+                                  "(a read-only file system or no write permission)\n"
+    finally:
+        ro.chmod(0o755)
+    assert [p.name for p in ro.iterdir()] == ["old.txt"]
+
+
 # ---------------------------------------------------------------- config files
 
 
@@ -275,16 +323,42 @@ def test_config_file_reads_tables(workdir):
 # ---------------------------------------------------------------- the door users use
 
 
+def _slow(args, message):
+    return pytest.param(args, message, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--lr", "nan"], "edgc train: error: argument --lr: expected a finite number, got 'nan'"),
     (["--steps", "true"], "edgc train: error: argument --steps: expected an integer, got 'true'"),
     (["--config", "list.json"], "edgc train: error: config file 'list.json' must hold a table of options"),
     (["--out", "afile/run"], "edgc train: error: out='afile/run': lies under 'afile', which is a file"),
+    # every other input issue 11 lists (items 9-11), as it was typed
+    _slow(["--lr", "inf"], "edgc train: error: argument --lr: expected a finite number, got 'inf'"),
+    _slow(["--lr", "1e-3x"], "edgc train: error: argument --lr: expected a finite number, got '1e-3x'"),
+    _slow(["--grad-clip", "nan"], "edgc train: error: argument --grad-clip: expected a finite number, got 'nan'"),
+    _slow(["--weight-decay", "nan"], "edgc train: error: argument --weight-decay: expected a finite number, got 'nan'"),
+    _slow(["--bucket-cap-mb", "NaN"], "edgc train: error: argument --bucket-cap-mb: expected a finite number, got 'NaN'"),
+    _slow(["--edgc-min-compression-rate", "NaN"],
+          "edgc train: error: argument --edgc-min-compression-rate: expected a finite number, got 'NaN'"),
+    _slow(["--config", "edgc5.toml"], "edgc train: error: config file 'edgc5.toml': edgc must be an [edgc] table"),
+    _slow(["--out", "afile"], "edgc train: error: out='afile': is a file, not a folder"),
+    _slow(["--weight-decay", "-5"], "edgc train: error: weight_decay=-5.0: must be >= 0"),
+    _slow(["--bucket-cap-mb", "0"], "edgc train: error: bucket_cap_mb=0.0: must be in (0, 1048576] (MB)"),
+    _slow(["--bucket-cap-mb", "-1"], "edgc train: error: bucket_cap_mb=-1.0: must be in (0, 1048576] (MB)"),
+    _slow(["--config", "config.json"], "edgc train: error: config file 'config.json' is not valid JSON: Expecting"),
+    _slow(["--config", "x.yaml"], "edgc train: error: config file 'x.yaml': only TOML (.toml) and JSON (.json)"),
+    _slow(["--config", "run"], "edgc train: error: config file 'run' is a folder, not a file"),
+    _slow(["--config", "latin1.toml"], "edgc train: error: config file 'latin1.toml' is not UTF-8 text"),
 ])
 def test_python_m_edgc_train_gives_one_line(args, message, workdir):
     (workdir / "list.json").write_text("[1, 2]")
-    proc = subprocess.run([sys.executable, "-m", "edgc", "train", *args], cwd=workdir, capture_output=True,
-                          text=True, timeout=120)
+    (workdir / "edgc5.toml").write_text("edgc = 5")
+    (workdir / "config.json").write_text('{"steps": 3,}')
+    (workdir / "x.yaml").write_text("steps: 3")
+    (workdir / "latin1.toml").write_bytes(b'out = "caf\xe9"')
+    # (an accepted value would stop at "already holds a run", not train; a given --out wins)
+    proc = subprocess.run([sys.executable, "-m", "edgc", "train", "--out", "run", *args], cwd=workdir,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from edgc.data import TokenFile, write_token_file
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
 from edgc.train.evaluation import LossMoments, block_losses, eval_batches, eval_starts
+from edgc.train.metrics import perplexity
 from edgc.train.summary import compare_loss
 from edgc.train.trainer import evaluate
 
@@ -115,7 +118,7 @@ def _fake_run(folder, val_loss: float, se: float) -> None:
     train = {"kind": "train", "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1.0, "step_time": 0.1, "comm_time": 0.01,
              "bytes_sent": 100, "bytes_uncompressed": 100, "rank": 0, "entropy": 0.0, "phase": "warmup"}
     lines = [{"step": s, **train} for s in (1, 2)]
-    lines.append({"step": 2, "kind": "val", "val_loss": val_loss, "val_loss_se": se, "val_ppl": math.exp(val_loss),
+    lines.append({"step": 2, "kind": "val", "val_loss": val_loss, "val_loss_se": se, "val_ppl": perplexity(val_loss),
                   "val_tokens": 6400, "val_time": 0.5})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
@@ -152,3 +155,31 @@ def test_a_diverged_run_is_logged_summarised_and_reported(tmp_path, capsys):
     assert main(["report", str(tmp_path / "ok"), str(tmp_path / "nan"), "--out", str(tmp_path / "rep")]) == 0
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
     assert "| not finite | — |" in rows["nan"]
+
+
+def test_a_finite_loss_too_large_for_exp_is_summarised_and_reported(tmp_path, capsys):
+    # --lr 100: a finite validation loss of 5.7e5 nats; exp() of it overflows
+    from edgc.train.summary import write_summary
+
+    assert perplexity(709.0) == math.exp(709.0) and perplexity(710.0) == math.inf == perplexity(math.inf)
+    assert math.isnan(perplexity(math.nan))
+    _fake_run(tmp_path / "ok", 5.0, 0.005)
+    _fake_run(tmp_path / "huge", 573954.1145, 14178.3)
+    assert "| 573954.1145 ± 14178.3000 |" in write_summary(tmp_path / "huge").read_text()
+    assert main(["report", str(tmp_path / "ok"), str(tmp_path / "huge"), "--out", str(tmp_path / "rep")]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert rows["huge"].split("|")[6].strip() == "inf"  # val ppl
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"method": "none",', "'bad/config.json' is not valid JSON (Expecting property name"),
+    (b"\xff{}", "'bad/config.json' is not valid JSON ('utf-8' codec can't decode byte 0xff"),
+    (b"[1, 2]", "'bad/config.json' must hold a JSON object of the run's settings"),
+])
+def test_edgc_report_names_a_broken_config_json(tmp_path, content, message):
+    _fake_run(tmp_path / "bad", 5.0, 0.005)
+    (tmp_path / "bad" / "config.json").write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "edgc", "report", "bad", "--out", "rep"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"edgc report: error: {message}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "rep").exists()

@@ -1,12 +1,14 @@
 """The run folder's guards and the checkpoint files: lock, overwrite, leftovers, kept
-checkpoints, CRC checks."""
+checkpoints, CRC checks, and no checkpoint from a diverged model."""
 
+import math
 import os
 
 import pytest
 import torch
 
 from edgc.train.checkpoint import kept_checkpoints, load_checkpoint, save_checkpoint
+from edgc.train.common import DivergenceGuard, TrainingDiverged
 from edgc.train.runfolder import LOCK_NAME, RunFolderBusy, RunLock, check_new_run, clean_leftovers
 
 
@@ -68,3 +70,23 @@ def test_a_flipped_byte_fails_the_crc_and_the_error_names_older_checkpoints(tmp_
     with pytest.raises(ValueError, match="fails its checksum.*checkpoint-0000002.pt"):
         load_checkpoint(path)
     assert load_checkpoint(tmp_path / "checkpoint-0000002.pt")["step"] == 2
+
+
+def test_the_divergence_guard_keeps_the_last_finite_checkpoint_and_says_why(caplog):
+    guard = DivergenceGuard(limit=3, run_dir="run", checkpoint_step=None)
+    finite, broken = {"w": torch.ones(2)}, {"w": torch.tensor([1.0, math.inf])}
+    guard.observe(1, loss=math.nan, grad_norm=1.0)
+    assert not guard.may_save(1, finite)
+    assert "step 1: no checkpoint written, the loss or gradient norm of this step was not finite " \
+           "(no checkpoint was written yet; so for every checkpoint step until one is finite again)" in caplog.text
+    guard.observe(2, loss=5.0, grad_norm=1.0)
+    assert guard.may_save(2, finite) and guard.checkpoint_step == 2
+    guard.observe(3, loss=5.0, grad_norm=1.0)
+    assert not guard.may_save(3, broken) and guard.checkpoint_step == 2
+    assert "the model's weights are not finite (the last good checkpoint, step 2, is kept;" in caplog.text
+    assert not guard.may_save(4, broken) and "step 4" not in caplog.text  # (said once per run of refusals)
+    assert len(caplog.records) == 2
+    for step in (4, 5):
+        guard.observe(step, loss=math.inf, grad_norm=math.nan)
+    with pytest.raises(TrainingDiverged, match=r"3 steps in a row \(steps 4-6.*run/checkpoint.pt at step 2"):
+        guard.observe(6, loss=5.0, grad_norm=math.inf)

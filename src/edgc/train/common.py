@@ -4,6 +4,7 @@ model identity for checkpoints, and restoring one rank's state on resume."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from edgc.comm.replicas import replica_entry
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "lr_at", "model_config", "param_groups",
            "restore_rank"]
@@ -47,6 +50,7 @@ class DivergenceGuard:
         self.checkpoint_step = checkpoint_step  # the last finite checkpoint's step (None: none yet)
         self.streak = 0
         self.finite = True  # the last step's loss and gradient norm
+        self.refused = False  # whether the last checkpoint step wrote none
 
     def observe(self, step: int, loss: float, grad_norm: float) -> None:
         """Record a step; raise TrainingDiverged after `limit` non-finite steps in a row."""
@@ -61,10 +65,19 @@ class DivergenceGuard:
 
     def may_save(self, step: int, weights: Any) -> bool:
         """Whether a checkpoint may be written now (last step finite and `weights` all
-        finite); remembers the step if so."""
-        if self.finite and all_finite(weights):
+        finite); remembers the step if so, else logs a warning saying why not."""
+        why = ("the loss or gradient norm of this step was not finite" if not self.finite
+               else None if all_finite(weights) else "the model's weights are not finite")
+        if why is None:
             self.checkpoint_step = step
+            self.refused = False
             return True
+        if not self.refused:  # (once per run of refusals: a diverged run would repeat it at every checkpoint step)
+            kept = (f"the last good checkpoint, step {self.checkpoint_step}, is kept" if self.checkpoint_step is not None
+                    else "no checkpoint was written yet")
+            logger.warning("step %d: no checkpoint written, %s (%s; so for every checkpoint step until one is "
+                           "finite again)", step, why, kept)
+        self.refused = True
         return False
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,7 +246,7 @@ class TrainConfig:
                 bad(name, "must be >= 0")
         if not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB:
             bad("bucket_cap_mb", f"must be in (0, {MAX_BUCKET_MB:.0f}] (MB)")
-        _check_folder_path("out", self.out)
+        _check_folder_path("out", self.out, writable=True)
         if self.data is None:
             _check_folder_path("data_cache", self.data_cache)
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -395,9 +396,11 @@ class TrainConfig:
         raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
 
-def _check_folder_path(name: str, path: str) -> None:
+def _check_folder_path(name: str, path: str, writable: bool = False) -> None:
     """Raise ValueError unless the folder `path` (field `name`) exists or could be made:
-    it must not be empty, nor a file, nor lie under a file."""
+    it must not be empty, nor a file, nor lie under a file; and if `writable`, this
+    process must be able to write in it, or make it (os.access: a read-only file system,
+    or no write permission, is refused now rather than at the first file a run writes)."""
     if not path:
         raise ValueError(f"{name}={path!r}: must name a folder")
     here = Path(path)
@@ -408,6 +411,10 @@ def _check_folder_path(name: str, path: str) -> None:
     if existing is not None and not existing.is_dir():
         where = "is a file" if existing == here else f"lies under {str(existing)!r}, which is a file"
         raise ValueError(f"{name}={path!r}: {where}, not a folder")
+    if writable and existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        what = "this folder" if existing == here else f"{str(existing)!r}, where it would be made,"
+        raise ValueError(f"{name}={path!r}: cannot be written: {what} is read-only here (a read-only file system "
+                         f"or no write permission)")
 
 
 def load_config_file(path: str | Path, tables: tuple[str, ...] = ()) -> dict[str, Any]:

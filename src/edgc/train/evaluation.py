@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from edgc.data import TokenFile
+from edgc.train.metrics import perplexity
 
 __all__ = ["EvalBatch", "EvalResult", "LossMoments", "block_losses", "eval_batches", "eval_starts", "val_record"]
 
@@ -158,5 +159,5 @@ def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:
     return {
         "step": step, "kind": "val", "val_loss": result.loss, "val_loss_se": result.se,
         # (a diverged model's loss overflows exp; the writer logs inf and nan as null)
-        "val_ppl": math.exp(result.loss) if result.loss < 700 else math.inf, "val_tokens": result.tokens, "val_time": result.seconds,
+        "val_ppl": perplexity(result.loss), "val_tokens": result.tokens, "val_time": result.seconds,
     }

@@ -11,10 +11,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from edgc.train.config import TrainConfig
 
-__all__ = ["METRICS_NAME", "TENSORBOARD_DIR", "MetricsWriter", "TensorBoardWriter", "read_metrics", "record_scalars"]
+__all__ = ["METRICS_NAME", "TENSORBOARD_DIR", "MetricsWriter", "TensorBoardWriter", "perplexity", "read_metrics",
+           "record_scalars"]
 
 METRICS_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), or inf where that overflows a float (above about 709.78: a diverged
+    model's loss, e.g. 5.7e5 nats after one step at --lr 100); NaN for a NaN loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 class MetricsWriter:

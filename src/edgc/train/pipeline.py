@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -53,8 +52,6 @@ from edgc.train.launch import report_step
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["GPTStage", "split_gpt", "stage_blocks", "train_pipeline_worker"]
 
@@ -441,14 +438,11 @@ def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Lay
         stages = [gathered[p * layout.dp]["stage"] for p in range(layout.pp)]
         replicas = [{k: v for k, v in g.items() if k != "stage"} for g in gathered]
         _write_decisions(Path(cfg.out) / "dac.jsonl", replicas)
-        if guard.may_save(step, [s["model"] for s in stages]):
+        if guard.may_save(step, [s["model"] for s in stages]):  # (else it says why not)
             save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
                 "step": step, "world_size": world, "layout": [layout.pp, layout.dp], "train": cfg.to_dict(),
                 "model_config": model_config, "stages": stages, "replicas": replicas,
             }, keep=cfg.keep_checkpoints)
-        else:
-            logger.warning("step %d: no checkpoint written, the model is not finite (the last good one, step %s, "
-                           "is kept)", step, guard.checkpoint_step)
     dist.barrier()
 
 

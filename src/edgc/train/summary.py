@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from edgc.train.metrics import read_metrics
+from edgc.train.metrics import perplexity, read_metrics
 from edgc.train.plots import plot_runs
 
 __all__ = ["RunSummary", "compare_loss", "load_run", "show_table", "stage_table", "summarize", "table", "table_cells",
@@ -40,12 +40,21 @@ class RunSummary:
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(config, metrics records) of a run folder; raises FileNotFoundError naming what is missing."""
+    """(config, metrics records) of a run folder; raises FileNotFoundError naming what is
+    missing, and ValueError naming a config.json that is not a JSON object."""
     run_dir = Path(run_dir)
     for name in ("config.json", "metrics.jsonl"):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{str(run_dir)!r} is not an edgc run folder: {name} is missing")
-    return json.loads((run_dir / "config.json").read_text()), read_metrics(run_dir / "metrics.jsonl")
+    path = run_dir / "config.json"
+    try:
+        config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); the run's settings are also in its "
+                         f"checkpoint.pt, and a resume writes config.json afresh") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object of the run's settings")
+    return config, read_metrics(run_dir / "metrics.jsonl")
 
 
 def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) -> RunSummary:
@@ -60,7 +69,7 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
     last_se = val[-1].get("val_loss_se") if val else None
     return RunSummary(
         name=name, method=config.get("method", "?"), steps=train[-1]["step"],
-        final_val_loss=last_val, final_val_ppl=math.exp(last_val) if math.isfinite(last_val) else math.nan,
+        final_val_loss=last_val, final_val_ppl=perplexity(last_val),
         total_bytes=sum(r["bytes_sent"] for r in train),
         total_bytes_uncompressed=sum(r["bytes_uncompressed"] for r in train),
         mean_step_time=sum(r["step_time"] for r in timed) / len(timed),

@@ -460,10 +460,7 @@ def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, preci
     mine = {"comm": hook_state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
     # (every replica's state, error feedback, Q and RNG, to rank 0: edgc.comm.replicas)
     gathered = gather_replicas(mine, dst=0)
-    if rank == 0 and not guard.may_save(step, model.state_dict()):
-        logger.warning("step %d: no checkpoint written, the model is not finite (the last good one, step %s, "
-                       "is kept)", step, guard.checkpoint_step)
-    elif rank == 0:
+    if rank == 0 and guard.may_save(step, model.state_dict()):  # (else it says why not)
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),
