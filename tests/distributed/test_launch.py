@@ -1,5 +1,7 @@
 """The local launcher: results by rank, worker errors surfaced, hangs killed."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -23,6 +25,15 @@ def _fail_on_one(rank, world):
     return rank
 
 
+def _killed_beside_an_error(rank, world):
+    # rank 0 fails in words the launcher does not know as a peer's failure; rank 1 is then
+    # killed from outside, as by the OOM killer: the kill is what the user must hear of
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("some collective error in words of its own")
+
+
 def _hang(rank, world):
     time.sleep(600)
 
@@ -36,6 +47,12 @@ def test_worker_error_is_reported_and_peers_are_killed():
     with pytest.raises(WorkerError, match="boom on rank 1"):
         run_local(_fail_on_one, 2, timeout=120)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_worker_killed_from_outside_is_named_before_a_peers_error():
+    with pytest.raises(WorkerError, match="worker 1 was killed by SIGKILL") as info:
+        run_local(_killed_beside_an_error, 2, timeout=120)
+    assert info.value.how == "signal" and "words of its own" in info.value.details
 
 
 def test_hang_is_killed_at_timeout():

@@ -155,7 +155,9 @@ def test_a_dead_worker_gives_one_line_naming_it_and_how_to_resume(tmp_path, data
     line = _one_line(stderr)
     assert "worker 1 was killed by SIGKILL at step" in line
     assert f"edgc train --resume {run}" in line and "errors.log" in line
-    assert "Traceback" in (run / "errors.log").read_text()
+    # the log holds the launcher's account (a worker killed by SIGKILL has no traceback of
+    # its own; its peer's appears only if the peer reported before the launcher stopped it)
+    assert "worker 1 was killed by SIGKILL at step" in (run / "errors.log").read_text()
 
 
 def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path, data_dir):

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -259,7 +260,10 @@ def _collect(procs: list, out_dir: str, steps: Any, stopped: set[int], strict_ex
                 how, what = "signal", f"was killed by {_signal_name(-code)}{at}"
             else:
                 how, what = "exit", f"exited with code {code}{at} without a result"
-            failures.append((2 if r in stopped else 0, r, how, f"worker {r} {what}", None, ""))
+            # a worker killed from outside (SIGKILL, SIGTERM: the OOM killer, a user) is the
+            # cause, ahead of a peer's own error, whose wording varies with where it stood
+            rank_first = -1 if code is not None and -code in _OUTSIDE_SIGNALS else 0
+            failures.append((2 if r in stopped else rank_first, r, how, f"worker {r} {what}", None, ""))
             continue
         with open(path, "rb") as f:
             status, value, line = pickle.load(f)
@@ -285,9 +289,11 @@ _PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Brok
                   "NCCL communicator was aborted")
 
 
-def _signal_name(number: int) -> str:
-    import signal
+# signals that only come from outside a worker
+_OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
 
+
+def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
     except ValueError:
