@@ -79,15 +79,23 @@ class _Counters:
             setattr(self, k, v)
 
 
-class AllReduceState(_Counters):
-    """State of the plain all-reduce hook: only counters."""
+class _CountersOnly(_Counters):
+    """A hook state that is only counters; its checkpoint format is named by `FORMAT`."""
+
+    FORMAT = ""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"format": "allreduce-state", "world_size": self.world_size, **self._counters()}
+        return {"format": self.FORMAT, "world_size": self.world_size, **self._counters()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        _check(d, "allreduce-state", self.world_size)
+        _check(d, self.FORMAT, self.world_size)
         self._load_counters({k: v for k, v in d.items() if k not in ("format", "world_size")})
+
+
+class AllReduceState(_CountersOnly):
+    """State of the plain all-reduce hook: only counters."""
+
+    FORMAT = "allreduce-state"
 
 
 def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -108,15 +116,10 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     return fut
 
 
-class NoSyncState(_Counters):
+class NoSyncState(_CountersOnly):
     """State of the no-sync hook (compute-only runs): only counters, nothing sent."""
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"format": "no-sync-state", "world_size": self.world_size, **self._counters()}
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        _check(d, "no-sync-state", self.world_size)
-        self._load_counters({k: v for k, v in d.items() if k not in ("format", "world_size")})
+    FORMAT = "no-sync-state"
 
 
 def no_sync_hook(state: NoSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
