@@ -21,7 +21,6 @@ It prints one line per run and a summary, and returns 1 if any run failed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import platform
 import time
@@ -44,6 +43,7 @@ def soak_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from edgc import EDGCConfig, EDGCState, edgc_hook
+    from edgc.comm.replicas import tensors_digest
     from edgc.models import build_model
 
     torch.manual_seed(opts["seed"])
@@ -71,10 +71,7 @@ def soak_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
             opt.step()
         ranks.append(state.stats().step_rank)
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().numpy().tobytes())
-    return {"digest": digest.hexdigest(), "ranks": ranks, "buckets": calls[0],
+    return {"digest": tensors_digest(model.parameters()), "ranks": ranks, "buckets": calls[0],
             "compressed": state.stats().compressed_steps}
 
 

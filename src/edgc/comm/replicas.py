@@ -10,11 +10,14 @@ no file format and no framework in them (edgc.checkpoint and edgc.train build on
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["gather_replicas", "replica_entry", "scatter_replicas"]
+__all__ = ["gather_replicas", "replica_entry", "scatter_replicas", "tensors_digest"]
 
 
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -85,3 +88,12 @@ def scatter_replicas(entries: list[Any] | None, *, src: int = 0, group: dist.Pro
     # collective: scatter of one pickled payload from replica `src` to each replica
     dist.scatter_object_list(out, list(entries) if rank == src else None, src=_global(group, src), group=group)
     return out[0]
+
+
+def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 of the tensors' bytes, in order: equal on two replicas only if every tensor
+    is bit-identical (how tests and soaks compare replicas without moving weights)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -15,7 +15,6 @@ pipelined model computes exactly what the unsplit one does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from edgc.comm import EDGCState, edgc_hook
 from edgc.comm.activation import ActivationGradCompressor, Carrier, Unpack
 from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
-from edgc.comm.replicas import gather_replicas, replica_entry
+from edgc.comm.replicas import gather_replicas, replica_entry, tensors_digest
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch
 from edgc.data.atomic import atomic_write
@@ -342,10 +341,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         if writer is not None:
             writer.close()
     alignment = getattr(hook_state, "alignment", None)
-    digest = hashlib.sha256()
-    for t in stage_mod.state_dict().values():
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return {"param_digest": digest.hexdigest(), "skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
+    return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
             "decisions": alignment.decisions if alignment is not None else []}
 
 
