@@ -114,6 +114,7 @@ def test_bench_train_loopback(tmp_path):
     target = float(rows["run"][11].split("val loss")[1].split("(s)")[0])
     assert target == pytest.approx(max(float(rows[n][9]) for n in ("none", "edgc", "edgc-wholestep")), abs=1e-3)
     assert "nan" not in text
+    assert "every run with `--batch-size 2 --block-size 32" in text.split("\n\n")[1]  # what was run, said
 
 
 @pytest.mark.slow

@@ -181,3 +181,23 @@ def test_torch_powersgd_resumes_exactly(tmp_path, data_dir):
     train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["rank"] for r in train] == [0, 0, 4, 4, 4, 4]
     assert a == b
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_emulated_device_time_changes_the_clock_and_not_the_maths(tmp_path, data_dir, pp):
+    common = ["--method", "edgc", "--steps", "4", "--eval-every", "4", "--edgc-warmup-steps", "1",
+              "--edgc-window", "2", "--pp", str(pp), "--device", "cpu"]
+    plain, slow = tmp_path / "plain", tmp_path / "slow"
+    assert main(_train(data_dir, plain, *common)) == 0
+    proc = _edgc(*_train(data_dir, slow, *common, "--emulated-device-ms", "50"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    a, b = ([{k: r.get(k) for k in ("kind", "step", "loss", "val_loss", "rank", "bytes_sent")}
+             for r in read_metrics(d / "metrics.jsonl")] for d in (plain, slow))
+    assert a == b  # the same run, bit for bit
+    # each of rank 0's blocks waited 50 ms forward and 100 ms backward per micro-batch: the
+    # 4 blocks of tiny, or 2 per stage with 2 * pp micro-batches (plain steps take ~0.2 s)
+    waited = 4 * 0.15 if pp == 1 else 2 * 0.15 * 2 * pp
+    assert json.loads((slow / "config.json").read_text())["emulated_device_ms"] == 50
+    for r in read_metrics(slow / "metrics.jsonl"):
+        if r["kind"] == "train":
+            assert r["step_time"] >= waited, r

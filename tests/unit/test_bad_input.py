@@ -38,6 +38,7 @@ ALLOWED = {
     *[(f, "0") for f in ("--grad-clip", "--weight-decay", "--min-lr", "--edgc-entropy-smoothing",
                          "--edgc-min-compression-rate", "--dac-eta", "--dac-intercept", "--dac-t-mb",
                          "--dac-t-uncompressed")],
+    ("--emulated-device-ms", "0"),  # off, the default
     ("--dac-intercept", "-1"),  # T = eta·r + c: a negative offset is a fitted value like any other
     # large counts and sizes are the user's call: a long run, rare evaluations and
     # checkpoints, a large cap (memory and time are theirs, as with any trainer)

@@ -153,10 +153,12 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
             f"{_ratio(s.final_val_loss, base and base.final_val_loss, pct=True)} | "
             f"{'not reached' if math.isinf(ttt) else f'{ttt:.1f}'} |"
         )
+    extra = [a for a in args.train_args if a != "--"]
     link = "loopback, no limit" if args.loopback else f"{args.bandwidth} per link each way (tc tbf, namespaces)"
     return (
         f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.\n\n"
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        + (f"; every run with `{' '.join(extra)}`" if extra else "") + ".\n\n"
         + "\n".join(lines) + "\n\n" + stage_table(loaded) + table
         + "\nStep and communication times leave out the first 5% of steps. Exposed comm is the step time minus "
         "the compute-only run's (no sync at all; its replicas drift apart, and its loss means nothing). "

@@ -25,6 +25,8 @@ TOKENIZERS = ("bpe", "gpt2")
 LOGS = ("jsonl", "tensorboard")
 #: The largest DDP bucket taken, in MB (1 TiB): DDP holds the size as a 64-bit byte count.
 MAX_BUCKET_MB = 2.0**20
+#: The longest emulated device time per block taken, in ms (edgc.train.emulate).
+MAX_EMULATED_MS = 10_000.0
 
 
 def process_group_backend(device_type: str, local_world: int, gpus: int) -> str:
@@ -46,7 +48,8 @@ class TrainConfig:
     #: How `edgc train --help` groups the fields, each field in one group, in this order
     #: (the "edgc" and "dac" tables have groups of their own).
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype"),
+        "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype",
+                                    "emulated_device_ms"),
         "workers and parallel layout": ("nproc", "pp", "dp", "schedule", "microbatches", "sync_after_send",
                                         "activation_rank"),
         "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "min_lr",
@@ -88,6 +91,12 @@ class TrainConfig:
     dtype: str = "fp32"
     """Compute precision: "fp32", "bf16" (autocast) or "fp16" (autocast and a GradScaler).
     Parameters, gradients and optimiser state stay float32, as in torch's AMP recipe."""
+
+    emulated_device_ms: float = 0.0
+    """For benchmarks on a CPU machine: every transformer block waits this many ms, idle,
+    after its forward pass and twice that before its backward pass, as a host waits for its
+    accelerator, so that communication can overlap as on a GPU (edgc.train.emulate). The
+    maths is unchanged. 0: off; at most 10000."""
 
     steps: int = 300
     """Optimiser steps."""
@@ -244,6 +253,8 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
+        if not 0 <= self.emulated_device_ms <= MAX_EMULATED_MS:
+            bad("emulated_device_ms", f"must be in [0, {MAX_EMULATED_MS:.0f}] (ms)")
         if not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB:
             bad("bucket_cap_mb", f"must be in (0, {MAX_BUCKET_MB:.0f}] (MB)")
         _check_folder_path("out", self.out, writable=True)

@@ -47,6 +47,7 @@ from edgc.train.checkpoint import (
 from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
+from edgc.train.emulate import emulate_device_time
 from edgc.train.launch import report_step
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.metrics import MetricsWriter
@@ -243,6 +244,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size)
     stage_mod = split_gpt(model, layout.pp, cfg.activation_rank, cfg.seed)[layout.stage].to(device)
     del model
+    emulate_device_time(stage_mod.h, cfg.emulated_device_ms)
     ddp = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
               device_ids=[device.index] if use_cuda else None)
     inputs, outputs = _stage_examples(cfg, layout, stage_mod.h[0].ln_1.weight.shape[-1], meta["vocab_size"], device)

@@ -50,6 +50,7 @@ from edgc.train.checkpoint import (
 )
 from edgc.train.common import DivergenceGuard, lr_at, model_config, param_groups, restore_rank
 from edgc.train.config import TrainConfig, process_group_backend
+from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
@@ -115,7 +116,8 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 
 # options a resumed run may change; every other one must match its checkpoint's
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
-                     "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc")
+                     "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
+                     "emulated_device_ms")
 
 
 def resume_target(path: str | Path) -> Path:
@@ -367,6 +369,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size).to(device)
+    emulate_device_time(model.h, cfg.emulated_device_ms)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, device_ids=[device.index] if use_cuda else None)
     hook_state = _attach_hook(cfg, ddp)
     precision = Precision(cfg.dtype, device)
