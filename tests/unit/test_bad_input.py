@@ -264,9 +264,30 @@ def test_a_read_only_out_is_refused_before_anything_runs(tmp_path):
             assert proc.returncode == 2 and proc.stdout == "", proc.stderr
             assert proc.stderr == f"edgc train: error: out={out!r}: cannot be written: {where} is read-only here " \
                                   "(a read-only file system or no write permission)\n"
+        # a data cache that still has the built-in corpus to prepare must be writable too (it
+        # gave a bare PermissionError from the tokeniser, after the run folder was made)
+        (tmp_path / "w").mkdir(mode=0o777)
+        (tmp_path / "w").chmod(0o777)  # (the run folder's parent: writable by anyone)
+        proc = subprocess.run([*command[:-3], "--data-cache", "ro/cache", "--out", "w/run"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr == (
+            "edgc train: error: data_cache='ro/cache': cannot be written: 'ro', where it would be made, is "
+            "read-only here (a read-only file system or no write permission)\n"), proc.stderr
+        assert not (tmp_path / "w" / "run").exists()
     finally:
         ro.chmod(0o755)
     assert [p.name for p in ro.iterdir()] == ["old.txt"]
+    # one that holds it already is only read: accepted
+    cached = TrainConfig(data_cache=str(ro)).builtin_data_folder()
+    cached.mkdir()
+    (cached / "meta.json").write_text("{}")
+    ro.chmod(0o555)
+    try:
+        check = f"from edgc.train.config import TrainConfig; TrainConfig(data_cache={str(ro)!r}).validate()"
+        proc = subprocess.run([*command[:-6], "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        ro.chmod(0o755)
 
 
 # ---------------------------------------------------------------- config files
@@ -349,6 +370,9 @@ def _slow(args, message):
     _slow(["--config", "config.json"], "edgc train: error: config file 'config.json' is not valid JSON: Expecting"),
     _slow(["--config", "x.yaml"], "edgc train: error: config file 'x.yaml': only TOML (.toml) and JSON (.json)"),
     _slow(["--config", "run"], "edgc train: error: config file 'run' is a folder, not a file"),
+    # a file without a suffix is the checkpoint named, not a run folder's (it said "no
+    # checkpoint at 'afile/checkpoint.pt'")
+    _slow(["--resume", "afile"], "edgc train: error: checkpoint 'afile' is corrupt or truncated (BadZipFile"),
     _slow(["--config", "latin1.toml"], "edgc train: error: config file 'latin1.toml' is not UTF-8 text"),
 ])
 def test_python_m_edgc_train_gives_one_line(args, message, workdir):

@@ -225,6 +225,17 @@ class TrainConfig:
     row (updates are skipped meanwhile, and no checkpoint is written from a non-finite
     model). fp16 skips a few steps in a row by design while its loss scale comes down."""
 
+    def builtin_data_folder(self) -> Path:
+        """Where the built-in corpus is (or will be) prepared for this run's tokenizer, in
+        `data_cache`. The version tag changes whenever the built-in selection or split
+        does, so that an old cache (e.g. one with the code-page tables, before version 2)
+        is never reused."""
+        from edgc.data.corpus import BUILTIN_CORPUS_VERSION
+
+        vocab = self.vocab_size if self.tokenizer == "bpe" else ""
+        name = f"builtin-v{BUILTIN_CORPUS_VERSION}-{self.tokenizer}{vocab}-{self.corpus_bytes or 'all'}"
+        return Path(self.data_cache) / name
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and saying what it may be: its
         type first (no bool for an int, no NaN or infinity for a number, a table for
@@ -260,6 +271,8 @@ class TrainConfig:
         _check_folder_path("out", self.out, writable=True)
         if self.data is None:
             _check_folder_path("data_cache", self.data_cache)
+            if not (self.builtin_data_folder() / "meta.json").is_file():  # (to be prepared there)
+                _check_folder_path("data_cache", self.data_cache, writable=True)
         if self.device == "cuda" and not torch.cuda.is_available():
             bad("device", "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
         if self.data is not None and not (Path(self.data) / "meta.json").is_file():

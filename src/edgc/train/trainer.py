@@ -40,7 +40,6 @@ from edgc.comm.baselines import (
 from edgc.comm.replicas import gather_replicas
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
-from edgc.data.corpus import BUILTIN_CORPUS_VERSION
 from edgc.models import build_model
 from edgc.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -67,11 +66,7 @@ def ensure_data(cfg: TrainConfig) -> Path:
     """The prepared data folder; tokenises the built-in corpus into the cache if needed."""
     if cfg.data is not None:
         return Path(cfg.data)
-    # the version tag changes whenever the built-in selection or split does, so that an old
-    # cache (e.g. one with the code-page tables, before version 2) is never reused
-    name = (f"builtin-v{BUILTIN_CORPUS_VERSION}-{cfg.tokenizer}{cfg.vocab_size if cfg.tokenizer == 'bpe' else ''}"
-            f"-{cfg.corpus_bytes or 'all'}")
-    folder = Path(cfg.data_cache) / name
+    folder = cfg.builtin_data_folder()
     if not (folder / "meta.json").is_file():
         logger.info("tokenising the built-in corpus into %s (once)", folder)
         prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes, vocab_size=cfg.vocab_size)
@@ -121,9 +116,10 @@ RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkp
 
 
 def resume_target(path: str | Path) -> Path:
-    """The checkpoint file to resume: `path` itself, or a run folder's checkpoint.pt."""
+    """The checkpoint file to resume: `path` itself when it is a file or has a suffix, else a
+    run folder's checkpoint.pt."""
     path = Path(path)
-    return path / CHECKPOINT_NAME if path.is_dir() or not path.suffix else path
+    return path / CHECKPOINT_NAME if path.is_dir() or not (path.suffix or path.is_file()) else path
 
 
 def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
