@@ -184,6 +184,18 @@ class EDGCConfig:
     runs after their backward pass anyway). Both give the same average up to float
     reassociation."""
 
+    min_unit_mb: float = 0.0
+    """For sync_mode "pipelined": the least bytes, in MB (1e6 bytes), that one unit of the
+    sync puts on the wire in a step. Consecutive DDP buckets are merged into one unit until
+    it reaches this (edgc.comm.stepsync, "Coarse units"), counting (m + n) * r elements
+    for a compressed matrix and every element for a tensor sent whole. Fewer, larger
+    collectives against less overlap: a merged unit starts at its last bucket, so the
+    buckets before it wait for it. Worth it at low rank, where a bucket's P and Q are small
+    and each collective's latency, not its bytes, sets its time. 0 (the default): every
+    bucket is a unit; a threshold above the whole step's bytes makes the step one unit,
+    started at the last bucket. Changes the average only through the float order of the
+    sums, so a resumed run may change it. A finite number >= 0; "whole-step" ignores it."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -228,6 +240,8 @@ class EDGCConfig:
             bad("warmup_steps", "must be a non-negative integer")
         if self.min_compression_rate < 0:
             bad("min_compression_rate", "must be a non-negative number")
+        if self.min_unit_mb < 0:
+            bad("min_unit_mb", "must be a non-negative number (MB)")
         if not 0 <= self.seed < SEED_LIMIT:
             bad("seed", "must be an integer in [0, 2**32)")
 

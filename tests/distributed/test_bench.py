@@ -95,6 +95,18 @@ def test_comm_benchmark_loopback_two_workers(tmp_path, capsys):
     assert rows["powersgd"][3] == rows["powersgd (whole-step)"][3]
 
 
+def test_comm_benchmark_takes_coarse_units(tmp_path, capsys):
+    out = tmp_path / "comm.md"
+    assert main(["bench", "comm", "--loopback", "--nproc", "2", "--steps", "2", "--warmup", "1", "--rank", "8",
+                 "--bucket-mb", "0.05", "--sync-modes", "pipelined", "--min-unit-mb", "0.01", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "0.05 MB buckets, pipelined units of at least 0.01 MB on the wire" in text.splitlines()[0]
+    assert "| powersgd |" in text and "| edgc r=8 |" in text
+    capsys.readouterr()
+    assert main(["bench", "comm", "--loopback", "--min-unit-mb", "-1"]) == 2
+    assert "min_unit_mb=-1" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_train_loopback(tmp_path):
     out = tmp_path / "bench"

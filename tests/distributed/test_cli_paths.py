@@ -201,3 +201,25 @@ def test_emulated_device_time_changes_the_clock_and_not_the_maths(tmp_path, data
     for r in read_metrics(slow / "metrics.jsonl"):
         if r["kind"] == "train":
             assert r["step_time"] >= waited, r
+
+
+def test_min_unit_mb_reaches_the_state_may_change_on_resume_and_a_bad_value_ends_in_one_line(tmp_path, data_dir):
+    import torch
+
+    run = tmp_path / "run"
+    # small buckets, so that the plan has several and the threshold merges some
+    proc = _edgc(*_train(data_dir, run, "--method", "edgc", "--steps", "4", "--stop-after", "2",
+                         "--bucket-cap-mb", "0.1", "--edgc-warmup-steps", "1", "--edgc-min-unit-mb", "0.05"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
+    assert [r["comm"]["config"]["min_unit_mb"] for r in ckpt["replicas"]] == [0.05, 0.05]
+    assert len(ckpt["replicas"][0]["comm"]["units"]) > 1
+    proc = _edgc("train", "--resume", str(run), "--stop-after", "null", "--edgc-min-unit-mb", "0.2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
+    assert ckpt["step"] == 4 and [r["comm"]["config"]["min_unit_mb"] for r in ckpt["replicas"]] == [0.2, 0.2]
+    # (nan and inf: test_bad_input, for every float flag)
+    proc = _edgc(*_train(data_dir, tmp_path / "bad", "--edgc-min-unit-mb", "-1"), cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "edgc train: error: EDGCConfig.min_unit_mb=-1.0: must be a non-negative number (MB)"]
+    assert not (tmp_path / "bad").exists()

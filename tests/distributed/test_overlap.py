@@ -39,6 +39,51 @@ def test_both_modes_give_the_same_average_and_residuals_in_float64(world):
             assert torch.equal(a, b)
 
 
+# The rank drops from 8 to 2 at step 10. At rank 8 each of StackNet's buckets puts more than
+# min_unit_mb (4000 bytes) on the wire: each holds a matrix, the smallest (40, 40) one sending
+# (40 + 40) * 8 float64 elements, 5120 bytes. At rank 2 each sends less, and runs are merged.
+SCHEDULED = dict(DYNAMIC, policy="schedule", rank_schedule="0:8,10:2")
+COARSE = {"whole-step": {"sync_mode": "whole-step"}, "pipelined": {"sync_mode": "pipelined"},
+          "coarse": {"sync_mode": "pipelined", "min_unit_mb": 0.004}}
+
+
+def test_coarse_units_issue_fewer_collectives_and_give_the_whole_step_average():
+    steps = 14
+    results = run_workers(workers.compare_modes, 2, SCHEDULED, steps, 0.005, COARSE, timeout=300)
+    for r in results:
+        whole, piped, coarse = r["whole-step"], r["pipelined"], r["coarse"]
+        assert coarse["ranks"] == [0] * 4 + [8] * 5 + [2] * 5
+        per_step = {name: [sum(1 for s, *_ in r[name]["issued"] if s == step) for step in range(1, steps + 1)]
+                    for name in COARSE}
+        # rank 8: every bucket is a unit of its own; rank 2: fewer units, but more than one
+        for step, rank in enumerate(coarse["ranks"], start=1):
+            n = {name: counts[step - 1] for name, counts in per_step.items()}
+            if rank == 8:
+                assert n["coarse"] == n["pipelined"], (step, n)
+            elif rank == 2:
+                assert n["whole-step"] < n["coarse"] < n["pipelined"], (step, n)
+        assert any(not last for s, _, last, _, _ in coarse["issued"] if s > 10)  # still overlapped
+        assert coarse["units"] == piped["units"]  # the plan kept is DDP's layout, not the merged units
+        assert coarse["stats"].bytes_sent == whole["stats"].bytes_sent
+        for a, b in zip(whole["grads"], coarse["grads"]):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+        for key in whole["error"]:
+            torch.testing.assert_close(coarse["error"][key], whole["error"][key], rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(coarse["q"][key], whole["q"][key], rtol=1e-12, atol=1e-15)
+    a, b = results[0]["coarse"], results[1]["coarse"]
+    assert a["issued"] == b["issued"]  # the same collectives in the same order
+    for x, y in zip(a["grads"], b["grads"]):  # replicas bit-identical
+        assert torch.equal(x, y)
+
+
+def test_coarse_units_resume_on_3_replicas_equals_uninterrupted_run():
+    # the resumed job's first step (one DDP bucket) must be cut into the same merged units
+    out = run_workers(workers.resume_check, 3, dict(DYNAMIC, min_unit_mb=0.006), 22, timeout=300)
+    for r in out:
+        assert r["resumed"] == r["straight"]
+        assert torch.equal(r["resumed_params"], r["straight_params"])
+
+
 @pytest.mark.parametrize("mode", ["pipelined", "whole-step"])
 def test_nonfinite_late_bucket_leaves_every_replica_s_buffers_untouched(mode):
     cfg = dict(DYNAMIC, sync_mode=mode)

@@ -198,17 +198,23 @@ class StackNet(nn.Module):
         return self.out(x) * self.scale  # (B, T, 64)
 
 
-def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket_cap_mb: float) -> dict:
-    """StackNet in float64, trained once per sync mode from the same start: each step's
-    averaged gradient, the error feedback and Q at the end, and each all-reduce this
-    replica issued: (step, bucket being handed over, was it the last, numel, dtype)."""
+MODES = {"whole-step": {"sync_mode": "whole-step"}, "pipelined": {"sync_mode": "pipelined"}}
+
+
+def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket_cap_mb: float,
+                  runs: dict | None = None) -> dict:
+    """StackNet in float64, trained once per run of `runs` (name -> config overrides; the
+    two sync modes by default) from the same start: each step's averaged gradient and the
+    rank it was sent at, the error feedback, Q and the units' plan at the end, and each
+    all-reduce this replica issued: (step, bucket being handed over, was it the last,
+    numel, dtype)."""
     out = {}
     original = dist.all_reduce
-    for mode in ("whole-step", "pipelined"):
+    for mode, overrides in (runs or MODES).items():
         torch.manual_seed(0)
         model = StackNet().double()
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-        state = EDGCState(None, EDGCConfig(**config_kwargs, sync_mode=mode))
+        state = EDGCState(None, EDGCConfig(**{**config_kwargs, **overrides}))
         where, issued = [0, 0, False], []
 
         def hook(state, bucket):  # (unannotated: DDP checks annotations as objects)
@@ -221,7 +227,7 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
 
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-        grads = []
+        grads, ranks = [], []
         dist.all_reduce = spy
         try:
             for step in range(steps):
@@ -231,10 +237,11 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+                ranks.append(state.stats().step_rank)
                 opt.step()
         finally:
             dist.all_reduce = original
-        out[mode] = {"grads": grads, "stats": state.stats(), "issued": issued,
+        out[mode] = {"grads": grads, "ranks": ranks, "units": state._units, "stats": state.stats(), "issued": issued,
                      "buckets": max(b for _, b, _, _, _ in issued) + 1,
                      "error": {str(k): g.error.clone() for k, g in state.groups.items()},
                      "q": {str(k): g.q.clone() for k, g in state.groups.items()},

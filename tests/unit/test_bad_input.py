@@ -32,12 +32,13 @@ BAD_BOOL = ["maybe", "2", "nan", "null", ""]
 # since --out names an existing run).
 ALLOWED = {
     # zero is meaningful: no warm-up, no activation compression, no clipping or decay, seed 0,
-    # raw entropy means, a learning-rate floor of 0, no compression-rate threshold
+    # raw entropy means, a learning-rate floor of 0, no compression-rate threshold, every
+    # bucket a unit
     *[(f, "0") for f in ("--lr-warmup-steps", "--activation-rank", "--seed", "--edgc-seed", "--edgc-warmup-steps",
                          "--max-restarts")],
     *[(f, "0") for f in ("--grad-clip", "--weight-decay", "--min-lr", "--edgc-entropy-smoothing",
-                         "--edgc-min-compression-rate", "--dac-eta", "--dac-intercept", "--dac-t-mb",
-                         "--dac-t-uncompressed")],
+                         "--edgc-min-compression-rate", "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept",
+                         "--dac-t-mb", "--dac-t-uncompressed")],
     ("--emulated-device-ms", "0"),  # off, the default
     ("--dac-intercept", "-1"),  # T = eta·r + c: a negative offset is a fitted value like any other
     # large counts and sizes are the user's call: a long run, rare evaluations and
@@ -48,9 +49,10 @@ ALLOWED = {
                                  "--block-size", "--vocab-size", "--keep-checkpoints", "--max-restarts",
                                  "--max-nonfinite-steps")],
     # a huge but finite float: a learning rate or decay that diverges, clipping that never
-    # clips, a threshold no matrix meets, given timings
-    *[(f, "1e12") for f in ("--lr", "--weight-decay", "--grad-clip", "--edgc-min-compression-rate", "--dac-eta",
-                            "--dac-intercept", "--dac-t-mb", "--dac-t-uncompressed")],
+    # clips, a threshold no matrix meets, a unit that is the whole step, given timings
+    *[(f, "1e12") for f in ("--lr", "--weight-decay", "--grad-clip", "--edgc-min-compression-rate",
+                            "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept", "--dac-t-mb",
+                            "--dac-t-uncompressed")],
     ("--edgc-rank-schedule", ""),  # no schedule: the default, for every policy but "schedule"
 }
 

@@ -20,6 +20,7 @@ from edgc import EDGCConfig
         ("cqm_method", "exact"),
         ("use_error_feedback", "yes"),
         ("sync_mode", "async"),
+        ("min_unit_mb", -0.5),
     ],
 )
 def test_invalid_value_names_the_field(field, value):
@@ -62,6 +63,9 @@ NAN, INF = float("nan"), float("inf")
         ("seed", 2**32, r"seed=4294967296: must be an integer in \[0, 2\*\*32\)"),
         ("min_compression_rate", NAN, "min_compression_rate=nan: must be a finite number"),
         ("min_compression_rate", INF, "min_compression_rate=inf: must be a finite number"),
+        ("min_unit_mb", NAN, "min_unit_mb=nan: must be a finite number"),
+        ("min_unit_mb", INF, "min_unit_mb=inf: must be a finite number"),
+        ("min_unit_mb", -1e-9, r"min_unit_mb=-1e-09: must be a non-negative number \(MB\)"),
         ("error_budget", NAN, "error_budget=nan: must be a finite number"),
         ("entropy_smoothing", -INF, "entropy_smoothing=-inf: must be a finite number"),
         ("window", True, "window=True: must be an integer, not true or false"),
@@ -80,7 +84,8 @@ def test_types_bounds_and_finite_numbers(field, value, message):
 
 def test_bounds_are_inclusive():
     cfg = EDGCConfig(bins=2**20, iteration_sample_rate=1e-6, gradient_sample_rate=1e-6, max_rank=2**16,
-                     calibration_repeats=100, seed=2**32 - 1, min_compression_rate=0, entropy_smoothing=0)
+                     calibration_repeats=100, seed=2**32 - 1, min_compression_rate=0, entropy_smoothing=0,
+                     min_unit_mb=0)
     assert cfg.bins == 2**20 and cfg.max_rank == 65536
 
 

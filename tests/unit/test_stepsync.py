@@ -7,6 +7,7 @@ import torch
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.buckets import FlatBucket
+from edgc.comm.stepsync import Group, coarse_units, slot_wire_bytes
 
 # slots 0-3: four (8, 6) matrices, one group; 4-5: two (5, 7); 6: a bias
 SHAPES = [(8, 6), (8, 6), (8, 6), (8, 6), (5, 7), (5, 7), (7,)]
@@ -55,9 +56,9 @@ def _step(state, params, layout, step, spoil=None):
     return out, done_before_last, issued
 
 
-def _run(mode, layout, steps, units=None, spoil_at=None, spoil=None):
+def _run(mode, layout, steps, units=None, spoil_at=None, spoil=None, **config):
     params = _params()
-    state = EDGCState(None, EDGCConfig(**STATIC, sync_mode=mode))
+    state = EDGCState(None, EDGCConfig(**{**STATIC, **config}, sync_mode=mode))
     first = [list(range(len(SHAPES)))]  # (the first step: one bucket of everything, as DDP's)
     outs = []
     for step in range(1, steps + 1):
@@ -109,6 +110,49 @@ def test_units_across_groups_give_the_whole_step_result(units):
     assert whole.stats().bytes_sent == piped.stats().bytes_sent  # the same bytes, cut differently
     if units is not None:
         assert piped._units == [tuple(b) for b in layout]  # DDP's layout replaced the plan
+
+
+def test_wire_bytes_per_slot_count_the_factors_at_the_gradient_s_element_size():
+    dtypes = [torch.float64] * 4 + [torch.bfloat16] * 2 + [torch.float32]
+    # a bf16 group works in float32 (its Q), but P and Q travel in bf16: 2 bytes an element
+    groups = [Group((8, 6), [0, 1, 2, 3], torch.zeros(4, 6, 2, dtype=torch.float64), None, torch.float64),
+              Group((5, 7), [4, 5], torch.zeros(2, 7, 3), None, torch.bfloat16)]
+    assert slot_wire_bytes(SHAPES, dtypes, groups) == [(8 + 6) * 2 * 8] * 4 + [(5 + 7) * 3 * 2] * 2 + [7 * 4]
+    assert slot_wire_bytes(SHAPES, dtypes, []) == [48 * 8] * 4 + [35 * 2] * 2 + [7 * 4]  # an uncompressed step
+
+
+def test_coarse_units_merge_consecutive_units_until_the_threshold():
+    layout = [(6, 5), (4, 3), (2, 1), (0,)]
+    sizes = [224, 224, 224, 224, 288, 288, 56]  # per unit: 344, 512, 448, 224 bytes
+    assert coarse_units(layout, sizes, 0) == layout  # 0: every unit as it is
+    assert coarse_units(layout, sizes, 500) == [(6, 5, 4, 3), (2, 1, 0)]  # 856, 672
+    # 344 reaches 344 (a unit closes at the threshold); 224 at the end is short: it joins (2, 1)
+    assert coarse_units(layout, sizes, 344) == [(6, 5), (4, 3), (2, 1, 0)]
+    assert coarse_units(layout, sizes, 400) == [(6, 5, 4, 3), (2, 1, 0)]  # 856, then 448 + the short 224
+    assert coarse_units(layout, sizes, 10**9) == [(6, 5, 4, 3, 2, 1, 0)]  # all short: the only unit
+    assert coarse_units(layout, sizes, 1529) == [(6, 5, 4, 3, 2, 1, 0)]  # one byte more than all: the same
+    # an uncompressed step's sizes (384 per matrix, 280, 56) cut the same plan otherwise: 336, 664, 768, 384
+    assert coarse_units(layout, [384] * 4 + [280] * 2 + [56], 700) == [(6, 5, 4, 3), (2, 1, 0)]
+    assert coarse_units(layout, [384] * 4 + [280] * 2 + [56], 380) == [(6, 5, 4, 3), (2, 1), (0,)]
+
+
+def test_coarse_units_issue_fewer_collectives_for_the_whole_step_average():
+    # at rank 2, in float64: 7 * 8 = 56 bytes for the bias, (5 + 7) * 2 * 8 = 192 per (5, 7)
+    # matrix and (8 + 6) * 2 * 8 = 224 per (8, 6) one; the buckets hold 248, 416, 448, 224
+    # bytes, so at 600 bytes the step is two units: buckets 0-1 and 2-3
+    layout = [[6, 5], [4, 3], [2, 1], [0]]
+    whole, a = _run("whole-step", layout, 4)
+    coarse, b = _run("pipelined", layout, 4, min_unit_mb=600e-6)
+    _, done, issued = b[-1]
+    assert issued == [(1, 7), (1, 5 * 2 * 2 + 8 * 2),  # call 1: unit 0's bias and P (slots 5, 4, 3)
+                      (2, 7 * 2 * 2 + 6 * 2),  # call 2: unit 0's Q
+                      (3, 3 * 8 * 2), (3, 3 * 6 * 2)]  # the last call: unit 1's P and Q
+    assert done == [False, False, False]  # unit 0, started in call 1, completes in call 3: the last
+    for (out_a, _, _), (out_b, _, _) in zip(a, b):
+        for s in range(len(SHAPES)):
+            torch.testing.assert_close(out_b[s], out_a[s], rtol=1e-13, atol=1e-15)
+    assert coarse._units == [tuple(u) for u in layout]  # the plan kept is DDP's layout, not the cut
+    assert coarse.stats().bytes_sent == whole.stats().bytes_sent
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "whole-step"])

@@ -1,6 +1,7 @@
 """Where the sync mode and the compute-only baseline reach the commands: the pipelined
 mode is the default of plain DDP, pipeline stages keep whole steps, a run made before the
-modes existed resumes in the one it ran in, and the benchmarks can name both."""
+modes existed resumes in the one it ran in, a resumed run may change its units' size, and
+the benchmarks can name both modes."""
 
 import pytest
 
@@ -32,6 +33,21 @@ def test_a_run_from_before_the_sync_modes_resumes_whole_step(tmp_path):
     new = TrainConfig(out=str(tmp_path)).resolve().to_dict()
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().sync_mode == "pipelined"
+
+
+def test_a_resumed_run_may_change_min_unit_mb_and_no_other_edgc_option(tmp_path):
+    saved = TrainConfig(out=str(tmp_path), edgc={"min_unit_mb": 0.5}).resolve().to_dict()
+    save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": saved})
+    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"min_unit_mb": 2.0}, "steps": 400})
+    assert resumed.edgc_config().min_unit_mb == 2.0 and resumed.steps == 400
+    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().min_unit_mb == 0.5
+    with pytest.raises(ValueError, match=r"--edgc-window 7 \(the run's: 20\).*only these may change.*"
+                                         r"edgc\.min_unit_mb"):
+        resume_config(tmp_path / "checkpoint.pt", {"edgc": {"min_unit_mb": 2.0, "window": 7}})
+    old = TrainConfig(out=str(tmp_path)).resolve().to_dict()
+    del old["edgc"]["min_unit_mb"]  # (as runs were saved before the option existed)
+    save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": old})
+    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().min_unit_mb == 0.0
 
 
 def test_bench_train_names_the_whole_step_mode_and_the_compute_only_baseline():

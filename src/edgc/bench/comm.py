@@ -98,10 +98,11 @@ def _make(name: str, k: int | None, args: argparse.Namespace):
         return TorchPowerSGDState(None, rank=args.rank, start_iter=1), torch_powersgd_hook
     mode = "whole-step" if name.endswith(_WHOLE) else "pipelined"
     if name.startswith("powersgd"):
-        cfg = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=0, sync_mode=mode)
+        cfg = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=0, sync_mode=mode,
+                         min_unit_mb=args.min_unit_mb)
     else:
         cfg = EDGCConfig(policy="cqm", max_rank=k, min_rank=k, warmup_steps=0, window=1000,
-                         iteration_sample_rate=args.alpha, sync_mode=mode)
+                         iteration_sample_rate=args.alpha, sync_mode=mode, min_unit_mb=args.min_unit_mb)
     return EDGCState(None, cfg), edgc_hook
 
 
@@ -185,6 +186,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--sync-modes", default="pipelined,whole-step",
                    help="our hook's modes to time (EDGCConfig.sync_mode), comma-separated")
+    p.add_argument("--min-unit-mb", type=float, default=0.0,
+                   help="EDGCConfig.min_unit_mb of our pipelined rows: merge buckets into units of at least this "
+                        "many MB on the wire (0: every bucket a unit)")
     p.add_argument("--out", default=None, help="write the markdown table here too")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -200,7 +204,8 @@ def _sync_modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    _sync_modes(args.sync_modes)  # (checked before any worker starts)
+    _sync_modes(args.sync_modes)  # (checked before any worker starts, as is:)
+    EDGCConfig(min_unit_mb=args.min_unit_mb)
     if args.worker_out:
         worker(args)
         return 0
@@ -213,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     out_json = Path(os.path.abspath(f".edgc-bench-comm-{os.getpid()}.json"))
     argv = ["bench", "comm", "--preset", args.preset, "--rank", str(args.rank), "--alpha", str(args.alpha),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb),
-            "--sync-modes", args.sync_modes, "--worker-out", str(out_json)]
+            "--sync-modes", args.sync_modes, "--min-unit-mb", str(args.min_unit_mb), "--worker-out", str(out_json)]
     if args.vocab:
         argv += ["--vocab", str(args.vocab)]
     try:
@@ -224,8 +229,9 @@ def run(args: argparse.Namespace) -> int:
         out_json.unlink(missing_ok=True)
     link = "loopback (no limit)" if args.loopback else f"{args.bandwidth} per link, each direction"
     n_params = sum(math.prod(p.shape) for p in build_model(args.preset, vocab_size=args.vocab, device="meta").parameters())
+    units = f", pipelined units of at least {args.min_unit_mb:g} MB on the wire" if args.min_unit_mb else ""
     title = (f"edgc bench comm: {args.preset} ({n_params / 1e6:.1f}M parameters), {args.nproc} workers, {link}; "
-             f"median of {args.steps} steps; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n")
+             f"{args.bucket_mb:g} MB buckets{units}; median of {args.steps} steps; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n")
     text = title + format_table(rows, args.nproc, cluster.bits_per_second)
     print(text, end="")
     if args.out:

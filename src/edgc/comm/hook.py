@@ -15,7 +15,9 @@ values that were themselves all-reduced, never on how fast a collective finished
 (edgc.comm.stepsync). Two modes (EDGCConfig.sync_mode):
 - "pipelined" (the default): bucket i's P all-reduce starts when DDP hands it over, and
   bucket i-1 is finished meanwhile (a fixed lag of one bucket), so the sync overlaps the
-  backward pass; same-shape matrices of a bucket share one bmm.
+  backward pass; same-shape matrices of a bucket share one bmm. With
+  EDGCConfig.min_unit_mb, consecutive buckets too small on the wire are merged into one
+  unit: fewer collectives, less overlap.
 - "whole-step": the hook records each bucket and returns an unfinished future; at the
   last bucket it synchronises the whole gradient at once, then completes every future:
   same-shape matrices of all buckets share one bmm, and a step costs at most four
@@ -196,8 +198,9 @@ class EDGCState:
         self._expected_shapes: list[tuple[int, ...]] | None = None  # from load_state_dict
         self._pending_groups: list[dict[str, Any]] | None = None
         self._slot_dtypes: list[torch.dtype] = []  # (this process's; from its first step)
-        # the units a step is synchronised in: DDP's bucket layout of the last step that
-        # had several buckets, as slots (edgc.comm.stepsync, "The plan"); None: none yet
+        # the plan of the units a step is synchronised in: DDP's bucket layout of the last
+        # step that had several buckets, as slots (edgc.comm.stepsync, "The plan"; a step
+        # may merge runs of it, "Coarse units", but the plan stays the layout); None: none yet
         self._units: list[tuple[int, ...]] | None = None
         self._unit_plans: dict[tuple[bool, tuple[int, ...]], UnitPlan] = {}
         self._sample_at: tuple[float, list[int], torch.dtype] | None = None

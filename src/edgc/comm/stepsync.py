@@ -19,11 +19,12 @@ Two modes (EDGCConfig.sync_mode):
 - "whole-step": the whole gradient is one unit, started when DDP hands over its last
   bucket. Every bucket waits for the last; a step costs at most four collectives per
   dtype (control, uncompressed, P, Q), and none of them overlaps the backward pass.
-- "pipelined": DDP's buckets are the units. In the hook call for bucket i, the hook
-  starts every unit whose slots have all arrived (bucket i's), then finishes the P of
-  the units started in earlier calls (bucket i-1's), then completes the units whose Q was
-  issued in earlier calls (bucket i-2's); the last call drains the rest. While the
-  autograd engine computes bucket i+1, buckets i and i-1 are on the wire.
+- "pipelined": DDP's buckets are the units (or runs of them, see "Coarse units"). In the
+  hook call for bucket i, the hook starts every unit whose slots have all arrived (bucket
+  i's), then finishes the P of the units started in earlier calls (bucket i-1's), then
+  completes the units whose Q was issued in earlier calls (bucket i-2's); the last call
+  drains the rest. While the autograd engine computes bucket i+1, buckets i and i-1 are
+  on the wire.
 
 Why a fixed lag, and not "whatever has arrived". Every collective is issued from the
 thread that calls the hook, and every replica must issue the same collectives in the same
@@ -42,6 +43,22 @@ of everything; it rebuilds its buckets after it). A resumed job's first step, on
 is then cut into the units the uninterrupted run used, and sums in the same float order.
 Where DDP's buckets differ from the plan, a unit starts once all its slots have arrived,
 in plan order; the new layout becomes the plan from the next step on.
+
+Coarse units (EDGCConfig.min_unit_mb). Each all-reduce pays its latency whatever its size,
+and at low rank a bucket's P and Q are small, so a step of many buckets can spend more on
+latency than on bytes. With a threshold, the step's units are the plan's units merged, in
+plan order, until each puts at least min_unit_mb MB on the wire in this step
+(`coarse_units`, with each slot's bytes from `slot_wire_bytes`: (m + n) r elements for a
+compressed matrix at its group's rank, every element of a tensor sent whole, at the
+gradient's element size). A remainder below the threshold at the end joins the unit
+before it, or is the step's one unit when there is no other. The cut depends only on the
+plan, on the step's groups and ranks and on the threshold, all replica-identical, so
+every replica cuts alike; it is made afresh each step, as ranks move. The plan kept in
+the state stays DDP's layout: a resumed job cuts its first step as the uninterrupted run
+did, and a threshold changed on resume changes only the cut (the float order of the
+sums). The price is overlap: a merged unit starts at its last bucket, so the bytes of the
+buckets before it leave later. DDP's first step of a job, which has no plan yet, is not
+merged, and the whole-step mode, one unit already, ignores the threshold.
 
 Non-finite gradients. When a unit finishes, a later unit of the same step may still turn
 out non-finite, and a host read per bucket would stall a GPU. So the new error feedback
@@ -65,6 +82,7 @@ hook's arithmetic runs on the current stream, with no side stream and so no even
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -88,7 +106,8 @@ from edgc.policy.spectral import effective_ranks
 if TYPE_CHECKING:
     from edgc.comm.hook import EDGCState
 
-__all__ = ["Group", "StepInfo", "StepSync", "dtype_order", "flatten_by_dtype", "scatter", "working_dtype"]
+__all__ = ["Group", "StepInfo", "StepSync", "coarse_units", "dtype_order", "flatten_by_dtype", "scatter",
+           "slot_wire_bytes", "working_dtype"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -150,6 +169,40 @@ def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view(t.shape))
         offset += n
+
+
+def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
+                    groups: Sequence[Group]) -> list[int]:
+    """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
+    of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], and numel
+    elements for any other slot, at the element size of the slot's gradient dtype.
+    `groups` empty: a step sent uncompressed."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes)]
+    for g in groups:
+        for s in g.slots:
+            sizes[s] = sum(g.shape) * g.q.shape[-1] * g.dtype.itemsize
+    return sizes
+
+
+def coarse_units(units: Sequence[tuple[int, ...]], sizes: Sequence[int], min_bytes: float) -> list[tuple[int, ...]]:
+    """`units` with consecutive ones merged, in order, until each merged unit's slots hold
+    at least `min_bytes` of `sizes` (bytes per slot); a remainder below it at the end joins
+    the unit before it, or is the only unit when there is none. min_bytes 0 gives `units`
+    unchanged. Changes nothing."""
+    out: list[tuple[int, ...]] = []
+    run: tuple[int, ...] = ()
+    held = 0
+    for unit in units:
+        run += tuple(unit)
+        held += sum(sizes[s] for s in unit)
+        if held >= min_bytes:
+            out.append(run)
+            run, held = (), 0
+    if run and out:
+        out[-1] += run
+    elif run:
+        out.append(run)
+    return out
 
 
 @dataclass
@@ -308,7 +361,11 @@ class StepSync:
     def _begin(self) -> None:
         state = self.state
         self.info = info = state._begin_step()
+        self.groups = groups = list(state.groups.values()) if info.compressed else []
         self.units = [] if (self.whole or not state._units) else list(state._units)
+        if self.units and state.config.min_unit_mb > 0:  # (see "Coarse units")
+            sizes = slot_wire_bytes(state.slot_shapes, state._slot_dtypes, groups)
+            self.units = coarse_units(self.units, sizes, state.config.min_unit_mb * 1e6)
         self.bucket_units = not self.whole and not state._units  # DDP's buckets are the units
         self.ok = torch.ones((), dtype=torch.bool, device=state.device)  # every sum so far finite
         self.local_finite = torch.ones((), dtype=torch.bool, device=state.device)  # this replica's gradient
@@ -317,8 +374,6 @@ class StepSync:
             offsets, dtype = state._sample_layout()
             self.sample = torch.empty(offsets[-1], dtype=dtype, device=state.device)
             self.sample_at = offsets
-        groups = list(state.groups.values()) if info.compressed else []
-        self.groups = groups
         self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
         self.next_q: dict[int, torch.Tensor] = {}
         # (2, groups) float64 sums of the per-group policies, added to the window's at the

@@ -109,10 +109,12 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
     return cfg
 
 
-# options a resumed run may change; every other one must match its checkpoint's
+# options a resumed run may change (TrainConfig fields, and "edgc.FIELD" for an EDGCConfig
+# field); every other one must match its checkpoint's. edgc.min_unit_mb changes only how
+# the gradient is cut into units, so only the float order of the sums.
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
                      "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
-                     "emulated_device_ms")
+                     "emulated_device_ms", "edgc.min_unit_mb")
 
 
 def resume_target(path: str | Path) -> Path:
@@ -134,18 +136,26 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     if values["edgc"] and "sync_mode" not in values["edgc"]:
         values["edgc"]["sync_mode"] = "whole-step"  # (runs made before the pipelined mode existed)
     refused, changed = [], []
+
+    def compare(name: str, table: dict[str, Any], field: str, value: Any) -> None:
+        """A given option that differs from the run's: into `table` if RESUME_MAY_CHANGE
+        lists its `name`, else refused."""
+        if table.get(field) == value:
+            return
+        flag = f"--{name.replace('.', '-').replace('_', '-')} {value} (the run's: {table.get(field)})"
+        (changed if name in RESUME_MAY_CHANGE else refused).append(flag)
+        if name in RESUME_MAY_CHANGE:
+            table[field] = value
+
     for key, value in given.items():
         if key in ("edgc", "dac"):
-            refused += [f"--{key}-{k.replace('_', '-')} {v} (the run's: {values[key].get(k)})"
-                        for k, v in value.items() if values[key].get(k) != v]
+            for k, v in value.items():
+                compare(f"{key}.{k}", values[key], k, v)
         elif key == "out":
             if Path(value).resolve() != checkpoint.parent.resolve():
                 refused.append(f"--out {value} (the run's folder: {checkpoint.parent})")
-        elif saved.get(key) != value:
-            flag = f"--{key.replace('_', '-')} {value} (the run's: {saved.get(key)})"
-            (changed if key in RESUME_MAY_CHANGE else refused).append(flag)
-            if key in RESUME_MAY_CHANGE:
-                values[key] = value
+        else:
+            compare(key, values, key, value)
     if refused:
         raise ValueError(f"a resumed run keeps the settings of its checkpoint, and these differ: {'; '.join(refused)}. "
                          f"On resume only these may change: {', '.join(RESUME_MAY_CHANGE)}; start a new run "
