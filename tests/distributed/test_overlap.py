@@ -10,6 +10,16 @@ from test_hook_ddp import DYNAMIC
 STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup_error_check=False, min_compression_rate=1.0)
 
 
+def _assert_same_maths(run, whole):
+    """`run`'s averaged gradients, error feedback and Q equal the whole-step run's, up to
+    the float order of the sums (float64)."""
+    for a, b in zip(whole["grads"], run["grads"]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+    for key in whole["error"]:
+        torch.testing.assert_close(run["error"][key], whole["error"][key], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(run["q"][key], whole["q"][key], rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_both_modes_give_the_same_average_and_residuals_in_float64(world):
     steps = 8
@@ -21,11 +31,7 @@ def test_both_modes_give_the_same_average_and_residuals_in_float64(world):
         assert whole["stats"].compressed_steps == piped["stats"].compressed_steps == steps - 2
         assert whole["stats"].bytes_sent == piped["stats"].bytes_sent
         # (with 3 replicas the sums' float order depends on how the buffers are cut)
-        for a, b in zip(whole["grads"], piped["grads"]):
-            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
-        for key in whole["error"]:
-            torch.testing.assert_close(piped["error"][key], whole["error"][key], rtol=1e-12, atol=1e-15)
-            torch.testing.assert_close(piped["q"][key], whole["q"][key], rtol=1e-12, atol=1e-15)
+        _assert_same_maths(piped, whole)
         # the whole-step mode issues at the last bucket only; the pipelined one during the
         # backward pass (after DDP's first step, which is one bucket of everything)
         assert all(last for step, _, last, _, _ in whole["issued"] if step >= 2)
@@ -65,11 +71,7 @@ def test_coarse_units_issue_fewer_collectives_and_give_the_whole_step_average():
         assert any(not last for s, _, last, _, _ in coarse["issued"] if s > 10)  # still overlapped
         assert coarse["units"] == piped["units"]  # the plan kept is DDP's layout, not the merged units
         assert coarse["stats"].bytes_sent == whole["stats"].bytes_sent
-        for a, b in zip(whole["grads"], coarse["grads"]):
-            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
-        for key in whole["error"]:
-            torch.testing.assert_close(coarse["error"][key], whole["error"][key], rtol=1e-12, atol=1e-15)
-            torch.testing.assert_close(coarse["q"][key], whole["q"][key], rtol=1e-12, atol=1e-15)
+        _assert_same_maths(coarse, whole)
     a, b = results[0]["coarse"], results[1]["coarse"]
     assert a["issued"] == b["issued"]  # the same collectives in the same order
     for x, y in zip(a["grads"], b["grads"]):  # replicas bit-identical
