@@ -204,7 +204,8 @@ def _sync_modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    _sync_modes(args.sync_modes)  # (checked before any worker starts, as is:)
+    # (both checked before any worker starts: a ValueError naming the option)
+    _sync_modes(args.sync_modes)
     EDGCConfig(min_unit_mb=args.min_unit_mb)
     if args.worker_out:
         worker(args)
@@ -231,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     n_params = sum(math.prod(p.shape) for p in build_model(args.preset, vocab_size=args.vocab, device="meta").parameters())
     units = f", pipelined units of at least {args.min_unit_mb:g} MB on the wire" if args.min_unit_mb else ""
     title = (f"edgc bench comm: {args.preset} ({n_params / 1e6:.1f}M parameters), {args.nproc} workers, {link}; "
-             f"{args.bucket_mb:g} MB buckets{units}; median of {args.steps} steps; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n")
+             f"{args.bucket_mb:g} MB buckets{units}; median of {args.steps} steps; "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n")
     text = title + format_table(rows, args.nproc, cluster.bits_per_second)
     print(text, end="")
     if args.out:
