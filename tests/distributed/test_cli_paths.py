@@ -183,7 +183,7 @@ def test_torch_powersgd_resumes_exactly(tmp_path, data_dir):
     assert a == b
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_emulated_device_time_changes_the_clock_and_not_the_maths(tmp_path, data_dir, pp):
     common = ["--method", "edgc", "--steps", "4", "--eval-every", "4", "--edgc-warmup-steps", "1",
               "--edgc-window", "2", "--pp", str(pp), "--device", "cpu"]
