@@ -270,9 +270,9 @@ class TrainConfig:
             bad("bucket_cap_mb", f"must be in (0, {MAX_BUCKET_MB:.0f}] (MB)")
         _check_folder_path("out", self.out, writable=True)
         if self.data is None:
-            _check_folder_path("data_cache", self.data_cache)
-            if not (self.builtin_data_folder() / "meta.json").is_file():  # (to be prepared there)
-                _check_folder_path("data_cache", self.data_cache, writable=True)
+            # (written only when the built-in corpus is still to be prepared there)
+            prepared = (self.builtin_data_folder() / "meta.json").is_file()
+            _check_folder_path("data_cache", self.data_cache, writable=not prepared)
         if self.device == "cuda" and not torch.cuda.is_available():
             bad("device", "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
         if self.data is not None and not (Path(self.data) / "meta.json").is_file():
