@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from edgc import __version__
 from edgc.config import EDGCConfig, FieldType, field_docs, field_types
 
 
@@ -314,6 +315,7 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgc", description="Entropy-driven dynamic gradient compression for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"edgc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(sub)
