@@ -1,10 +1,13 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 # Spawned workers import tests/distributed/*.py by module name.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
+
+DISTRIBUTED = Path(__file__).parent / "distributed"
 
 
 def pytest_addoption(parser):
@@ -13,10 +16,19 @@ def pytest_addoption(parser):
                      help="runs of the slow race soak (tests/distributed/test_soak.py; the issue's goal is 50)")
 
 
+def is_slow(item: pytest.Item) -> bool:
+    """Marked slow, or a several-process test in tests/distributed that is not one of the
+    few smoke tests the default run keeps (one through each door users use: the DDP
+    hook, `edgc train`, a framework integration)."""
+    if "slow" in item.keywords:
+        return True
+    return item.path.is_relative_to(DISTRIBUTED) and "smoke" not in item.keywords
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")
     for item in items:
-        if "slow" in item.keywords:
+        if is_slow(item):
             item.add_marker(skip)
