@@ -6,7 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +16,11 @@ import torch
 from edgc.config import GROUP_POLICIES, MAX_RANK, SEED_LIMIT, EDGCConfig, check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, packaged for Python 3.10 (a dependency there only)
+    import tomli as tomllib
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only")
 SCHEDULES = ("1f1b", "gpipe")
