@@ -255,7 +255,7 @@ class EDGCConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
+    def from_dict(cls, values: dict[str, Any]) -> EDGCConfig:
         """Build from a mapping; an unknown key raises ValueError naming it."""
         reject_unknown_fields(cls, values, "EDGCConfig has no field(s)")
         return cls(**values)

@@ -14,7 +14,7 @@ from edgc.cli import main
 from edgc.train.metrics import read_metrics
 
 pytest.importorskip("tensorboard")  # (an optional extra; scripts/setup.sh installs it)
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 def _train(data, out, *extra):

@@ -37,17 +37,17 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from edgc.bench.cluster import run_on_cluster  # noqa: E402
-from edgc.bench.netns import Cluster, NetnsUnavailable  # noqa: E402
-from edgc.bench.train import time_to_target  # noqa: E402
-from edgc.config import POLICIES  # noqa: E402
-from edgc.models import PRESETS  # noqa: E402
-from edgc.train.config import TrainConfig  # noqa: E402
-from edgc.train.summary import load_run  # noqa: E402
-from edgc.train.trainer import ensure_data  # noqa: E402
+from edgc.bench.cluster import run_on_cluster
+from edgc.bench.netns import Cluster, NetnsUnavailable
+from edgc.bench.train import time_to_target
+from edgc.config import POLICIES
+from edgc.models import PRESETS
+from edgc.train.config import TrainConfig
+from edgc.train.summary import load_run
+from edgc.train.trainer import ensure_data
 
 __all__ = ["ParetoPoint", "add_parser", "frontier_verdict", "run", "static_ranks", "sweep"]
 

@@ -164,7 +164,7 @@ class TorchPowerSGDState(_Counters):
         self._params: list[torch.nn.Parameter] = []
         self._index: dict[int, int] = {}  # id(parameter) -> its index in module.parameters()
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket -> layout its torch buffers are in
-        self._pending: "_PerParam | None" = None  # per-parameter state not yet in torch's buffers
+        self._pending: _PerParam | None = None  # per-parameter state not yet in torch's buffers
         if module is not None:
             self.bind(module)
 

@@ -56,7 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
 from edgc.comm.stepsync import (
     ENTROPY,
     EPS_MAX,
@@ -72,6 +71,7 @@ from edgc.comm.stepsync import (
     working_dtype,
 )
 from edgc.comm.timing import Lap, LapSum, start_lap
+from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
 from edgc.config import GROUP_POLICIES, EDGCConfig
 from edgc.entropy import is_sampled_step, sample_offsets
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks

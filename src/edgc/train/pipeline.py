@@ -48,8 +48,8 @@ from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.emulate import emulate_device_time
-from edgc.train.launch import report_step
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
+from edgc.train.launch import report_step
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
 
