@@ -217,11 +217,13 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
         state = EDGCState(None, EDGCConfig(**{**config_kwargs, **overrides}))
         where, issued = [0, 0, False], []
 
-        def hook(state, bucket):  # (unannotated: DDP checks annotations as objects)
+        # (this run's `where` and `issued` are bound as defaults; unannotated: DDP checks
+        # annotations as objects)
+        def hook(state, bucket, where=where):
             where[1:] = [bucket.index(), bucket.is_last()]
             return edgc_hook(state, bucket)
 
-        def spy(tensor, *args, **kwargs):
+        def spy(tensor, *args, where=where, issued=issued, **kwargs):
             issued.append((*where, tensor.numel(), str(tensor.dtype)))
             return original(tensor, *args, **kwargs)
 

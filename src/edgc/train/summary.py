@@ -153,6 +153,10 @@ def show_table(summaries: list[RunSummary], console: Console | None = None) -> N
     console.print(drawn)
 
 
+#: The per-stage lists in a pipeline run's train records that stage_table averages.
+_STAGE_KEYS = ("stage_rank", "stage_comm_time", "stage_sync_end", "stage_idle_time", "stage_p2p_bytes")
+
+
 def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
     """Per pipeline stage (runs with --pp > 1): mean rank, sync time and when the sync ends
     (seconds from the step's start), idle time and bytes to the neighbour stages, over
@@ -164,12 +168,11 @@ def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
         if not timed:
             continue
         for p in range(len(timed[0]["stage_rank"])):
-            def mean(key: str) -> float:
-                return sum(r.get(key, [0.0] * (p + 1))[p] for r in timed) / len(timed)
+            mean = {key: sum(r.get(key, [0.0] * (p + 1))[p] for r in timed) / len(timed) for key in _STAGE_KEYS}
             uncompressed = sum(1 for r in timed if r["stage_rank"][p] == 0) / len(timed)
-            lines.append(f"| {name} | {p} | {mean('stage_rank'):.1f} | {uncompressed:.0%} | "
-                         f"{mean('stage_comm_time') * 1e3:.0f} | {mean('stage_sync_end') * 1e3:.0f} | "
-                         f"{mean('stage_idle_time') * 1e3:.0f} | {mean('stage_p2p_bytes') / 1e3:.0f} |")
+            lines.append(f"| {name} | {p} | {mean['stage_rank']:.1f} | {uncompressed:.0%} | "
+                         f"{mean['stage_comm_time'] * 1e3:.0f} | {mean['stage_sync_end'] * 1e3:.0f} | "
+                         f"{mean['stage_idle_time'] * 1e3:.0f} | {mean['stage_p2p_bytes'] / 1e3:.0f} |")
     if not lines:
         return ""
     return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start; "
