@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import re
 import textwrap
@@ -392,7 +393,7 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())

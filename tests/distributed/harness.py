@@ -29,7 +29,7 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
             assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]")
     elif isinstance(a, float) and a != a:
         assert isinstance(b, float) and b != b, where

@@ -477,7 +477,7 @@ def torch_powersgd_resume_check(rank: int, world: int, n: int) -> dict:
             grads = bucket.gradients()
             base = bucket.buffer().storage_offset()
             seen.append((bucket.index(), [(ids[id(p)], g.storage_offset() - base, g.numel())
-                                          for p, g in zip(bucket.parameters(), grads)]))
+                                          for p, g in zip(bucket.parameters(), grads, strict=True)]))
             return torch_powersgd_hook(state, bucket)
 
         ddp.register_comm_hook(state, hook)

@@ -126,7 +126,7 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         state, hook = _make(name, k, args)
         times, stats_before = [], None
         for step in range(args.warmup + args.steps):
-            for b, o in zip(buckets, originals):
+            for b, o in zip(buckets, originals, strict=True):
                 b.buffer().copy_(o)
             if step == args.warmup:
                 stats_before = state.stats()

@@ -241,7 +241,7 @@ class TorchPowerSGDState(_Counters):
         for b, flat in inner.error_dict.items():
             layout = self._layout_of(b)
             offset = 0
-            for i, shape in zip(layout, self._shapes(layout)):
+            for i, shape in zip(layout, self._shapes(layout), strict=True):
                 n = shape.numel()
                 out.error[i] = flat[offset:offset + n].detach().clone().view(shape)
                 offset += n

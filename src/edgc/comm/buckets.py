@@ -69,7 +69,7 @@ def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Calla
         for i, g in enumerate(groups)
     ]
     futures = [hook(state, b) for b in buckets]
-    for bucket, fut in zip(buckets, futures):
+    for bucket, fut in zip(buckets, futures, strict=True):
         result = fut.wait()
-        for p, g in zip(bucket.parameters(), FlatBucket(0, result, bucket.parameters(), True).gradients()):
+        for p, g in zip(bucket.parameters(), FlatBucket(0, result, bucket.parameters(), True).gradients(), strict=True):
             p.grad.copy_(g)

@@ -688,7 +688,7 @@ class EDGCState:
         self._window_sums = None
         cfg = self.config
         signals = []
-        for g, (a, b) in zip(groups, sums.t().tolist()):
+        for g, (a, b) in zip(groups, sums.t().tolist(), strict=True):
             r_min, r_max, rank = min(self.r_min, *g.shape), min(self.r_max, *g.shape), g.q.shape[-1]
             if cfg.policy == "budget":  # a = Σ‖M‖², b = Σ‖Q‖²
                 signal = 1.0 - b / a if a > 0 else math.nan
@@ -838,7 +838,7 @@ class EDGCState:
         for flat, idx in p_flats:
             scatter(flat, [ps[i] for i in idx])
         qs = []
-        for m, p in zip(mats, ps):
+        for m, p in zip(mats, ps, strict=True):
             qs.append(project_q(m.unsqueeze(0), orthogonalize_(p)))
         # collectives (calibration only): all-reduce SUM of Q, one per dtype
         self._wait([self._all_reduce(flat, async_op=True) for flat, _ in flatten_by_dtype(qs, range(len(qs)))])
@@ -940,7 +940,7 @@ def _checked_units(units: Any, n_slots: int) -> list[tuple[int, ...]] | None:
 
 
 def _first_difference(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # (the lengths may differ)
         if x != y:
             return f"parameter {i}: checkpoint {x} vs model {y}"
     return f"parameter {min(len(a), len(b))}: present in only one of them"

@@ -177,7 +177,7 @@ def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequenc
     of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], and numel
     elements for any other slot, at the element size of the slot's gradient dtype.
     `groups` empty: a step sent uncompressed."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes)]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
     for g in groups:
         for s in g.slots:
             sizes[s] = sum(g.shape) * g.q.shape[-1] * g.dtype.itemsize
@@ -315,7 +315,7 @@ class StepSync:
             grads, layout = state._assign_slots(self.buckets)
             self.grads = dict(enumerate(grads))
             self._begin()
-            for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets)):
+            for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets, strict=True)):
                 self._arrive(b, slots, buffer)
             if self.whole:
                 self.units = [tuple(range(len(grads)))]
@@ -440,7 +440,7 @@ class StepSync:
             r.parts.append(self._project_p(part))
         if r.parts:
             r.p_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[0], state.device)
-            for part, p, send in zip(r.parts, works, sends):
+            for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
                 project_p(part.m, part.q_in, out=p)
                 if send is not p:
@@ -483,7 +483,7 @@ class StepSync:
                 part.p.copy_(part.p_send)  # the sum, as it arrived
             orthogonalize_(part.p)
         r.q_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[1], state.device)
-        for part, q, send in zip(r.parts, works, sends):
+        for part, q, send in zip(r.parts, works, sends, strict=True):
             part.q, part.q_send = q, send
             project_q(part.m, part.p, out=q)
             if send is not q:
@@ -604,9 +604,9 @@ def _factor_buffers(
         members = [i for i, g in enumerate(groups) if g.dtype == dtype]
         shapes = [(len(parts[i].plan.slots), rows(groups[i]), parts[i].q_in.shape[-1]) for i in members]
         flat = torch.empty(sum(b * n * r for b, n, r in shapes), dtype=dtype, device=device)
-        for i, view, shape in zip(members, flat.split([b * n * r for b, n, r in shapes]), shapes):
+        for i, view, shape in zip(members, flat.split([b * n * r for b, n, r in shapes]), shapes, strict=True):
             sends[i] = view.view(shape)  # (B', rows, r)
         flats.append(flat)
     works = [send if working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=working_dtype(g.dtype))
-             for g, send in zip(groups, sends)]
+             for g, send in zip(groups, sends, strict=True)]
     return flats, works, sends

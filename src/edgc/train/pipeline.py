@@ -64,7 +64,7 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
     base, extra = divmod(n_layer, stages)
     sizes = [base + (1 if p >= stages - extra else 0) for p in range(stages)]
     starts = [sum(sizes[:p]) for p in range(stages)]
-    return [range(s, s + n) for s, n in zip(starts, sizes)]
+    return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
 
 class GPTStage(nn.Module):
@@ -325,7 +325,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             gathered = [torch.empty_like(mine) for _ in range(world)]
             # collective (metrics only): all-gather of 19 float64 per rank
             dist.all_gather(gathered, mine)
-            rows = [dict(zip(_FIELDS, g.tolist())) for g in gathered]
+            rows = [dict(zip(_FIELDS, g.tolist(), strict=True)) for g in gathered]
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
             val = None
             if step % cfg.eval_every == 0 or step == cfg.steps:

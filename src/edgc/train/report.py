@@ -21,7 +21,7 @@ def report(run_dirs: list[str | Path], out_dir: str | Path) -> list[RunSummary]:
         loaded.append((Path(d).name, config, records))
     names = [n for n, _, _ in loaded]
     if len(set(names)) != len(names):  # same folder names in different places: use the paths
-        loaded = [(str(d), c, r) for d, (_, c, r) in zip(run_dirs, loaded)]
+        loaded = [(str(d), c, r) for d, (_, c, r) in zip(run_dirs, loaded, strict=True)]
     summaries = [summarize(n, c, r) for n, c, r in loaded]
     text = table(summaries)
     out_dir = Path(out_dir)

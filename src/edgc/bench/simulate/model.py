@@ -370,7 +370,8 @@ def simulate(cluster: ClusterSpec, profile: CostProfile, opts: SimOptions) -> Pr
     def project(ranks_: Sequence[int | None], entropy: bool) -> StepProjection:
         key = (tuple(ranks_), entropy)
         if key not in cache:
-            syncs = tuple(stage_sync(s, r, cluster, profile, opts, entropy=entropy) for s, r in zip(stages, ranks_))
+            syncs = tuple(stage_sync(s, r, cluster, profile, opts, entropy=entropy)
+                          for s, r in zip(stages, ranks_, strict=True))
             cache[key] = StepProjection(tuple(ranks_), syncs, compute, t_mb)
         return cache[key]
 
