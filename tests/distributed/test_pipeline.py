@@ -33,7 +33,8 @@ def test_uncompressed_pipeline_matches_unsplit_model(tmp_path, data_dir, schedul
     _, unsplit = _run(data_dir, tmp_path / "unsplit", 1, method="none", steps=6, eval_every=3)
     _, piped = _run(data_dir, tmp_path / schedule, 2, method="none", steps=6, eval_every=3,
                     pp=2, schedule=schedule, microbatches=2)
-    for a, b in [(_losses(unsplit), _losses(piped)), (_losses(unsplit, "val", "val_loss"), _losses(piped, "val", "val_loss"))]:
+    for a, b in [(_losses(unsplit), _losses(piped)),
+                 (_losses(unsplit, "val", "val_loss"), _losses(piped, "val", "val_loss"))]:
         assert len(a) == len(b) and len(a) > 0
         for x, y in zip(a, b, strict=True):
             assert math.isclose(x, y, rel_tol=1e-5), (a, b)
@@ -150,7 +151,8 @@ def test_pipeline_under_torchrun_and_layout_error(tmp_path, data_dir):
     from edgc.train.launch import free_port
 
     def torchrun(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--master-port", str(free_port()),
                "-m", "edgc", "train", "--data", str(data_dir), "--out", str(out), "--batch-size", "4",
                "--block-size", "32", "--eval-tokens", "256", "--no-progress", "--rank", "4", "--method", "edgc",
                "--steps", "4", "--edgc-warmup-steps", "1", "--edgc-window", "2", "--microbatches", "2", *extra]

@@ -71,7 +71,8 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int) -> 
     config = EDGCConfig(**config_kwargs)
     model, ddp, state, opt = _make(config)
     losses, ranks = _train(ddp, opt, state, rank, 0, steps)
-    n_buckets = len(ddp.reducer._get_zeros_like_grad_buckets()) if hasattr(ddp.reducer, "_get_zeros_like_grad_buckets") else -1
+    reducer = ddp.reducer
+    n_buckets = len(reducer._get_zeros_like_grad_buckets()) if hasattr(reducer, "_get_zeros_like_grad_buckets") else -1
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
             "history": list(state.controller.history),

@@ -99,7 +99,7 @@ def test_rank_change_mid_training_keeps_error_feedback_invariant():
     error = torch.zeros(1, *shape)
     q = torch.randn(1, shape[1], 4, generator=gen)
     applied, truth = torch.zeros(1, *shape), torch.zeros(1, *shape)
-    for step, rank in enumerate([4, 4, 2, 2, 6, 6, 8, 3]):
+    for rank in [4, 4, 2, 2, 6, 6, 8, 3]:
         q = resize_q(q, rank, gen)
         g = torch.randn(1, *shape, generator=gen)
         truth += g

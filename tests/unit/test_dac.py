@@ -185,7 +185,7 @@ def test_activation_compressor_sends_plus_keeps_what_it_was_given():
     torch.manual_seed(0)
     c = ActivationGradCompressor(3, seed=1)
     grads = [torch.randn(2, 6, 5, dtype=torch.float64) for _ in range(2)]
-    for step in range(3):
+    for _ in range(3):
         c.start_step()
         for slot, g in enumerate(grads):
             old = c.errors[slot].clone() if slot < len(c.errors) else torch.zeros_like(g)

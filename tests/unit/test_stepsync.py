@@ -49,7 +49,7 @@ def _step(state, params, layout, step, spoil=None):
     finally:
         del state._all_reduce
     out = {}
-    for b, f, slots in zip(buckets, futures, layout, strict=True):
+    for f, slots in zip(futures, layout, strict=True):
         flat = f.wait()
         for s, g in zip(slots, FlatBucket(0, flat, [params[s] for s in slots], True).gradients(), strict=True):
             out[s] = g.clone()

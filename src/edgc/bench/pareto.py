@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.nproc < 1 or args.rank < 1 or args.jobs < 1:
         raise ValueError("--steps, --nproc, --rank and --jobs must be positive")
     if args.jobs > 1 and args.bandwidth is not None:
-        raise ValueError("--jobs > 1 shares the machine between runs; an emulated cluster (--bandwidth) times one at a time")
+        raise ValueError("--jobs > 1 shares the machine between runs; "
+                         "an emulated cluster (--bandwidth) times one at a time")
     out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
     runs = sweep(args.rank, split_policies(args.policies))

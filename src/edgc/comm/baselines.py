@@ -367,7 +367,8 @@ class TorchPowerSGDState(_Counters):
             setattr(self.inner, name, {})
         self._layouts = {}
         self._pending = None if params.empty() else params
-        self._load_counters({k: v for k, v in d.items() if k not in ("format", "version", "world_size", "inner", "params")})
+        not_counters = ("format", "version", "world_size", "inner", "params")
+        self._load_counters({k: v for k, v in d.items() if k not in not_counters})
 
     def _check_params(self, params: "_PerParam", r: int) -> None:
         assert self.module is not None
@@ -378,7 +379,8 @@ class TorchPowerSGDState(_Counters):
         for kind, tensors in (("error feedback", params.error), ("P", params.p), ("Q", params.q)):
             for i, t in tensors.items():
                 if not 0 <= i < len(shapes):
-                    raise ValueError(f"torch-powersgd-state holds {kind} of parameter {i}; the module has {len(shapes)}")
+                    raise ValueError(f"torch-powersgd-state holds {kind} of parameter {i}; "
+                                     f"the module has {len(shapes)}")
                 n, m = shapes[i][0], shapes[i].numel() // shapes[i][0]
                 want = {"error feedback": shapes[i], "P": (n, min(n, m, r)), "Q": (m, min(n, m, r))}[kind]
                 if tuple(t.shape) != tuple(want):

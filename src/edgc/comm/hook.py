@@ -287,7 +287,8 @@ class EDGCState:
                     f"EDGC state was saved by replica {replica} but is being loaded on replica {self.replica}: "
                     "its error-feedback buffers belong to the replica that built them. Load each replica's own "
                     "state, or pass strict_replica=False to load another replica's on purpose")
-            logger.warning("EDGC: loading replica %s's state on replica %s (strict_replica=False)", replica, self.replica)
+            logger.warning("EDGC: loading replica %s's state on replica %s (strict_replica=False)",
+                           replica, self.replica)
 
     # ------------------------------------------------------------------ pickling
 
@@ -648,7 +649,8 @@ class EDGCState:
             if info.want_errors:
                 logger.info(
                     "EDGC warm-up check at step %s: eps(r_min=%s) = %.4g, eps(r_max=%s) = %.4g, eps_max = %.4g",
-                    step, self.r_min, eps_min, self.r_max, eps_max, math.nan if self.gate.eps_max is None else self.gate.eps_max,
+                    step, self.r_min, eps_min, self.r_max, eps_max,
+                    math.nan if self.gate.eps_max is None else self.gate.eps_max,
                 )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)

@@ -317,7 +317,8 @@ class StageAlignment:
         self.decisions = list(d["decisions"])
 
 
-def _all_reduce_cpu(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
+def _all_reduce_cpu(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None,
+                    device: torch.device | None) -> None:
     """All-reduce a small CPU tensor in place (through `device` where the backend needs it)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return

@@ -355,7 +355,8 @@ class TrainConfig:
         """Raise ValueError unless pp * dp == world, showing the arithmetic."""
         dp = self.dp if self.dp is not None else world // self.pp
         if self.pp * dp != world or dp < 1:
-            raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): the layout must use every worker exactly once")
+            raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): "
+                             "the layout must use every worker exactly once")
 
     def dac_config(self) -> DACConfig:
         """The DACConfig of this run (defaults plus `dac` overrides); raises ValueError by name."""

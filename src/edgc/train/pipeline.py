@@ -230,7 +230,8 @@ _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompr
            "compress", "loss", "p2p_bytes")
 
 
-def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
+def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
+                          resume: str | None) -> dict[str, Any]:
     """One rank of pipeline × data-parallel training. Rank 0 writes metrics and checkpoints."""
     cfg = TrainConfig.from_dict(cfg_dict)
     use_cuda = dist.get_backend() == "nccl"
@@ -297,7 +298,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 dist.all_reduce(tied.grad, group=layout.tied_group)
             norm = _clip(stage_mod, layout, cfg.grad_clip)
             alignment = getattr(hook_state, "alignment", None)
-            if alignment is not None and not (alignment.decisions and alignment.decisions[-1]["step"] == hook_state.step):
+            if alignment is not None and not (alignment.decisions
+                                              and alignment.decisions[-1]["step"] == hook_state.step):
                 # the first pipeline-wide collectives after the sync wait for the last stage
                 # to finish (on window ends the DAC exchange inside the sync did the waiting)
                 alignment.observe_wait(time.perf_counter() - t_synced)
@@ -316,7 +318,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 layout.stage, layout.replica, stats.step_rank,
                 stats.comm_seconds - prev.comm_seconds, stats.bytes_sent - prev.bytes_sent,
                 stats.bytes_uncompressed - prev.bytes_uncompressed, times.sync_start, times.sync_end,
-                t_wall, t_wall + step_time, float(times.forward), float(times.backward), float(times.sync), stats.entropy,
+                t_wall, t_wall + step_time, float(times.forward), float(times.backward), float(times.sync),
+                stats.entropy,
                 stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
                 float(stats.step_phase == "compress"), loss if loss is not None else 0.0,
                 _p2p_bytes(cfg, layout, stage_mod, p2p_before),
@@ -343,7 +346,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         if writer is not None:
             writer.close()
     alignment = getattr(hook_state, "alignment", None)
-    return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
+    return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped,
+            "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
             "decisions": alignment.decisions if alignment is not None else []}
 
 

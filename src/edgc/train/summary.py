@@ -177,7 +177,8 @@ def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
         return ""
     return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start; "
             "p2p: activations and their gradients sent to the neighbour stages):\n\n"
-            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) | p2p KB/step |\n"
+            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) "
+            "| p2p KB/step |\n"
             "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n")
 
 
@@ -193,8 +194,10 @@ def _layout(config: dict[str, Any]) -> str:
 def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """A sentence on the final evaluation: loss ± standard error, and what it covered."""
     val = [r for r in records if r.get("kind") == "val"]
-    if not val or val[-1].get("val_loss") is None:
-        return "No finite validation loss: the run diverged (see `skipped` and `grad_norm` in metrics.jsonl).\n\n" if val else ""
+    if not val:
+        return ""
+    if val[-1].get("val_loss") is None:
+        return "No finite validation loss: the run diverged (see `skipped` and `grad_norm` in metrics.jsonl).\n\n"
     if val[-1].get("val_loss_se") is None:
         return ""
     last = val[-1]

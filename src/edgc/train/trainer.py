@@ -59,7 +59,8 @@ from edgc.train.summary import write_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_MAY_CHANGE", "TrainingFailed", "lr_at", "prepare_run", "resume_config", "resume_target", "train", "train_distributed", "train_worker", "write_meta"]
+__all__ = ["RESUME_MAY_CHANGE", "TrainingFailed", "lr_at", "prepare_run", "resume_config", "resume_target", "train",
+           "train_distributed", "train_worker", "write_meta"]
 
 
 def ensure_data(cfg: TrainConfig) -> Path:
@@ -69,9 +70,11 @@ def ensure_data(cfg: TrainConfig) -> Path:
     folder = cfg.builtin_data_folder()
     if not (folder / "meta.json").is_file():
         logger.info("tokenising the built-in corpus into %s (once)", folder)
-        prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes, vocab_size=cfg.vocab_size)
+        prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes,
+                                   vocab_size=cfg.vocab_size)
         write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
-                   prepared.train_tokens, prepared.val_tokens, source="built-in corpus (Python standard library sources)")
+                   prepared.train_tokens, prepared.val_tokens,
+                   source="built-in corpus (Python standard library sources)")
     return folder
 
 

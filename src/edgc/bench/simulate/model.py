@@ -145,7 +145,8 @@ def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(knots)
 
 
-def _schedule_rank(schedule: Sequence[tuple[float, float]], fraction: float, rank_max: int, multiple: int) -> int | None:
+def _schedule_rank(schedule: Sequence[tuple[float, float]], fraction: float, rank_max: int,
+                   multiple: int) -> int | None:
     """Stage-0 rank at `fraction` of training; None before the first knot (warm-up)."""
     if fraction < schedule[0][0]:
         return None
