@@ -272,7 +272,7 @@ class TorchPowerSGDState(_Counters):
         """Build torch's buffers of bucket `b` (now in `layout`) from the pending per-parameter state."""
         pending = self._pending
         assert pending is not None
-        kw = {"device": like.device, "dtype": like.dtype}
+        kw: dict[str, Any] = {"device": like.device, "dtype": like.dtype}
         has = [i in pending.error for i in layout]
         if all(has):
             self.inner.error_dict[b] = torch.cat([pending.error.pop(i).reshape(-1) for i in layout]).to(**kw)

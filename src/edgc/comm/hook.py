@@ -305,7 +305,7 @@ class EDGCState:
                 "grad_scale": float(self.grad_scale)}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(None, d["config"], alignment=d["alignment"])
+        type(self).__init__(self, None, d["config"], alignment=d["alignment"])
         self._group_dropped = d["group_dropped"]
         self.grad_scale = d["grad_scale"]
         if d["state"] is not None:
@@ -627,8 +627,10 @@ class EDGCState:
             if self.alignment is not None:
                 self.alignment.observe_uncompressed(step_comm)
             if not self.calibration["done"]:
+                assert plain is not None  # (StepSync times an uncompressed step while calibrating)
                 self._calibrate(grads, float(plain))  # (warm-up only: waits for the device)
         if info.want_entropy:
+            assert control is not None  # (StepSync all-reduces it on a step that wants the entropy)
             # a replica with inf/nan gradients contributes no entropy sample this step
             self.last_entropy = float(control[ENTROPY]) if control[NONFINITE] == 0 else math.nan
             self.controller.observe(self.last_entropy)
@@ -644,9 +646,10 @@ class EDGCState:
                 else:
                     self._apply_rank(self.controller.decide())
         if self.phase == "warmup" and self.calibration["done"]:
-            eps_min = float(control[EPS_MIN]) if info.want_errors else math.nan
-            eps_max = float(control[EPS_MAX]) if info.want_errors else math.nan
+            eps_min = eps_max = math.nan
             if info.want_errors:
+                assert control is not None  # (and on a step that wants the errors)
+                eps_min, eps_max = float(control[EPS_MIN]), float(control[EPS_MAX])
                 logger.info(
                     "EDGC warm-up check at step %s: eps(r_min=%s) = %.4g, eps(r_max=%s) = %.4g, eps_max = %.4g",
                     step, self.r_min, eps_min, self.r_max, eps_max,
@@ -875,7 +878,7 @@ class EDGCState:
         lap = None if async_op else start_lap(self.device)
         back = None
         if device_copy is not None and device_copy.type != "cpu":
-            back, tensor = (tensor.to(device_copy), tensor), None
+            back = (tensor.to(device_copy), tensor)
         work = dist.all_reduce(back[0] if back else tensor, op=op, group=self.process_group, async_op=True)
         self._recent_works.append(work)
         if async_op:
@@ -883,6 +886,7 @@ class EDGCState:
         work.wait()
         if back is not None:
             back[1].copy_(back[0].cpu())
+        assert lap is not None  # (started above for a blocking call)
         self._comm.add(lap.stop())
         return _Issued(None)
 

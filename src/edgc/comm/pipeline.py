@@ -63,6 +63,8 @@ class EDGCPipelineStage(PipelineStage):
     """A PipelineStage over a DDP-wrapped stage module, with a communication hook that runs
     after the stage's last send (see the module doc) and timings for DAC and the metrics."""
 
+    submod: DDP  # (PipelineStage's stage module, which __init__ requires to be a DDP)
+
     def __init__(
         self,
         submodule: DDP,
