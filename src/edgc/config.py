@@ -330,6 +330,7 @@ class FieldType:
             return None
         if self.kind is str:
             return text
+        value: bool | int | float | None
         if self.kind is bool:
             value = _BOOLS.get(text.strip().lower())
         elif self.kind is int:
@@ -374,7 +375,8 @@ def check_field_types(config: Any, bad: Callable[[str, str], Any]) -> None:
     """Call `bad(name, "must be <what>")`, which should raise, for the first field of the
     dataclass instance `config` whose value is not of its declared type (FieldType.mismatch),
     then for the first whose value is not among its class's CHOICES for it."""
-    for name, ftype in field_types(type(config)).items():
+    cls: type = type(config)
+    for name, ftype in field_types(cls).items():
         wanted = ftype.mismatch(getattr(config, name))
         if wanted is not None:
             bad(name, f"must be {wanted}")
@@ -391,7 +393,9 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
         return {}
-    body = tree.body[0].body
+    node = tree.body[0]
+    assert isinstance(node, ast.ClassDef)  # (the source of a class)
+    body = node.body
     docs: dict[str, str] = {}
     for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
