@@ -141,6 +141,7 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             if step >= args.warmup:
                 times.append(float(t))
         stats = state.stats()
+        assert stats_before is not None, "--steps must be at least 1"  # (taken before the first measured step)
         rows.append({
             "method": name, "rank": k if k is not None else (0 if name == "none" else args.rank),
             "bytes": (stats.bytes_sent - stats_before.bytes_sent) / args.steps,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from edgc.train.plots import plot_runs
@@ -10,7 +11,7 @@ from edgc.train.summary import RunSummary, load_run, summarize, table
 __all__ = ["report"]
 
 
-def report(run_dirs: list[str | Path], out_dir: str | Path) -> list[RunSummary]:
+def report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[RunSummary]:
     """Write report.md and overlay plots into out_dir; returns the runs' summaries, in the
     order of its table."""
     if not run_dirs:

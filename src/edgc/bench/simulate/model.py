@@ -328,6 +328,7 @@ def _project_method(
             step_sum += fig[0]
             counted += 1
         last = sp
+    assert last is not None  # (ClusterSpec.steps is at least 1)
     k = max(1, counted)
     return MethodProjection(method, label, warmup_steps, first or last, last, sync / k, wire / k, overhead / k,
                             step_sum / k, total)

@@ -351,10 +351,10 @@ class CostProfile:
             if version not in (1, _PROFILE_VERSION):
                 raise ValueError(f"version {version} is not 1 or {_PROFILE_VERSION}")
             for e in d["lowrank"]:
-                key = (int(e["m"]), int(e["n"]), int(e["rank"]))
-                self.lowrank[key] = float(e["seconds_per_matrix"])
+                mnr = (int(e["m"]), int(e["n"]), int(e["rank"]))
+                self.lowrank[mnr] = float(e["seconds_per_matrix"])
                 if e.get("batch") is not None:
-                    self.batches[key] = int(e["batch"])
+                    self.batches[mnr] = int(e["batch"])
             for e in d["entropy"]:
                 key = (float(e["gradient_sample_rate"]), str(e["estimator"]), int(e["bins"]))
                 self.entropy[key] = EntropyCost(float(e.get("fixed_seconds", 0.0)), float(e["seconds_per_element"]))
