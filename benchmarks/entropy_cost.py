@@ -140,10 +140,13 @@ def main() -> None:
     t_gds = t_gds_period / k_alpha  # per step
     load_after = _load_average()
 
+    if device.type == "cuda":
+        processor = torch.cuda.get_device_name(device)
+    else:
+        processor = platform.processor() or platform.machine()
     print(
         f"gradient: {flat.numel():,} elements in {len(views)} tensors, {flat.dtype}, device {device}"
-        f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or platform.machine()},"
-        f" torch {torch.__version__}, {torch.get_num_threads()} threads)"
+        f" ({processor}, torch {torch.__version__}, {torch.get_num_threads()} threads)"
     )
     print(
         f"alpha = {args.alpha} (every {k_alpha} steps), beta = {args.beta} (every {sample_stride(args.beta)}"

@@ -122,12 +122,14 @@ def main() -> None:
             "comm_hook_s": max(r["hook_s"] for r in multi),
             "compress_s": single[0]["hook_s"],
         }
-    n_params = sum(p.numel() for p in build_model(args.preset, vocab_size=args.vocab, block_size=args.block, device="meta").parameters())
+    model = build_model(args.preset, vocab_size=args.vocab, block_size=args.block, device="meta")
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"\n{args.preset} GPT ({n_params / 1e6:.2f}M params), rank {args.rank}, {args.nproc} gloo workers, "
           f"batch {args.batch}x{args.block}, bucket {args.bucket_mb} MB, torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads\n")
     ours = rows["edgc-static"]
-    print("| method | step time (ms) | vs edgc | bytes/step | hook time, N procs (ms) | compression time, 1 proc (ms) |")
+    print("| method | step time (ms) | vs edgc | bytes/step | hook time, N procs (ms) "
+          "| compression time, 1 proc (ms) |")
     print("|---|---|---|---|---|---|")
     for method, r in rows.items():
         print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / ours['step_s']:.2f} | {r['bytes']:,} | "

@@ -313,7 +313,8 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgc", description="Entropy-driven dynamic gradient compression for PyTorch.")
+    parser = argparse.ArgumentParser(prog="edgc",
+                                     description="Entropy-driven dynamic gradient compression for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument("--version", action="version", version=f"edgc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import re
 import textwrap
@@ -255,7 +256,7 @@ class EDGCConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "EDGCConfig":
+    def from_dict(cls, values: dict[str, Any]) -> EDGCConfig:
         """Build from a mapping; an unknown key raises ValueError naming it."""
         reject_unknown_fields(cls, values, "EDGCConfig has no field(s)")
         return cls(**values)
@@ -329,6 +330,7 @@ class FieldType:
             return None
         if self.kind is str:
             return text
+        value: bool | int | float | None
         if self.kind is bool:
             value = _BOOLS.get(text.strip().lower())
         elif self.kind is int:
@@ -373,7 +375,8 @@ def check_field_types(config: Any, bad: Callable[[str, str], Any]) -> None:
     """Call `bad(name, "must be <what>")`, which should raise, for the first field of the
     dataclass instance `config` whose value is not of its declared type (FieldType.mismatch),
     then for the first whose value is not among its class's CHOICES for it."""
-    for name, ftype in field_types(type(config)).items():
+    cls: type = type(config)
+    for name, ftype in field_types(cls).items():
         wanted = ftype.mismatch(getattr(config, name))
         if wanted is not None:
             bad(name, f"must be {wanted}")
@@ -390,9 +393,11 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
         return {}
-    body = tree.body[0].body
+    node = tree.body[0]
+    assert isinstance(node, ast.ClassDef)  # (the source of a class)
+    body = node.body
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())

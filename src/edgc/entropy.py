@@ -25,6 +25,7 @@ so every estimator makes one or two passes over the sample and no full-size copi
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -101,7 +102,7 @@ def sample_gradient(tensors: Sequence[torch.Tensor], rate: float) -> torch.Tenso
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     offsets = sample_offsets([t.numel() for t in tensors], rate)
     out = torch.empty(offsets[-1], dtype=dtype, device=tensors[0].device)  # (Σ ceil(N_i/k),)
-    for t, start, end in zip(tensors, offsets, offsets[1:]):
+    for t, (start, end) in zip(tensors, itertools.pairwise(offsets), strict=True):
         sample_into(out[start:end], t, rate)
     return out
 

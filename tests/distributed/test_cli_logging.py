@@ -14,7 +14,7 @@ from edgc.cli import main
 from edgc.train.metrics import read_metrics
 
 pytest.importorskip("tensorboard")  # (an optional extra; scripts/setup.sh installs it)
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 def _train(data, out, *extra):
@@ -45,10 +45,11 @@ def test_log_tensorboard_writes_the_metrics_and_a_resume_shows_each_step_once(tm
     for key, tag in (("loss", "train/loss"), ("rank", "train/rank"), ("bytes_sent", "train/bytes_sent"),
                      ("lr", "train/lr")):
         assert [s for s, _ in board[tag]] == [1, 2, 3, 4, 5], tag
-        assert all(_close(v, r[key]) for (_, v), r in zip(board[tag], train)), tag
+        assert all(_close(v, r[key]) for (_, v), r in zip(board[tag], train, strict=True)), tag
     assert [v for _, v in board["train/compressing"]] == [0, 0, 1, 1, 1]  # warm-up, then compressed
     ratios = [r["bytes_uncompressed"] / r["bytes_sent"] for r in train]
-    assert all(_close(v, x) for (_, v), x in zip(board["train/compression_ratio"], ratios)) and ratios[-1] > 2
+    assert all(_close(v, x) for (_, v), x in zip(board["train/compression_ratio"], ratios, strict=True))
+    assert ratios[-1] > 2
     assert [s for s, _ in board["train/entropy"]] == [r["step"] for r in train if r["entropy"] is not None]
     val = [r for r in records if r["kind"] == "val"]
     assert [(s, round(v, 5)) for s, v in board["val/loss"]] == [(r["step"], round(r["val_loss"], 5)) for r in val]
@@ -67,7 +68,7 @@ def test_log_tensorboard_writes_the_metrics_and_a_resume_shows_each_step_once(tm
     assert [s for s, _ in again["train/loss"]] == [1, 2, 3, 4, 5]
     assert [s for s, _ in again["val/loss"]] == [4, 5]
     resumed = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert all(_close(v, r["loss"]) for (_, v), r in zip(again["train/loss"], resumed))
+    assert all(_close(v, r["loss"]) for (_, v), r in zip(again["train/loss"], resumed, strict=True))
 
     # a new run in the folder (--overwrite) starts the events afresh, as metrics.jsonl
     assert main(_train(data_dir, out, "--log", "tensorboard", "--steps", "2", "--overwrite")) == 0

@@ -209,7 +209,8 @@ def test_min_unit_mb_reaches_the_state_may_change_on_resume_and_a_bad_value_ends
     run = tmp_path / "run"
     # small buckets, so that the plan has several and the threshold merges some
     proc = _edgc(*_train(data_dir, run, "--method", "edgc", "--steps", "4", "--stop-after", "2",
-                         "--bucket-cap-mb", "0.1", "--edgc-warmup-steps", "1", "--edgc-min-unit-mb", "0.05"), cwd=tmp_path)
+                         "--bucket-cap-mb", "0.1", "--edgc-warmup-steps", "1", "--edgc-min-unit-mb", "0.05"),
+                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
     assert [r["comm"]["config"]["min_unit_mb"] for r in ckpt["replicas"]] == [0.05, 0.05]

@@ -4,10 +4,9 @@ of its own; and whose state a replica may load."""
 import torch
 
 import workers
+from edgc import EDGCConfig, EDGCState
 from harness import run_workers
 from test_hook_ddp import DYNAMIC
-
-from edgc import EDGCConfig, EDGCState
 
 
 def test_state_built_before_the_group_and_pickled_into_workers_syncs():

@@ -8,10 +8,9 @@ import csv
 import pytest
 import torch
 
+from edgc.checkpoint import FILE_NAME
 from harness import assert_same, run_workers
 from integration_workers import accelerate_run, exact_part, lightning_run, shared_part, trainer_run
-
-from edgc.checkpoint import FILE_NAME
 
 
 def _check_compressed_and_identical(results: list[dict], steps: int) -> None:

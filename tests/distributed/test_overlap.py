@@ -13,7 +13,7 @@ STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup_error_check=Fa
 def _assert_same_maths(run, whole):
     """`run`'s averaged gradients, error feedback and Q equal the whole-step run's, up to
     the float order of the sums (float64)."""
-    for a, b in zip(whole["grads"], run["grads"]):
+    for a, b in zip(whole["grads"], run["grads"], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
     for key in whole["error"]:
         torch.testing.assert_close(run["error"][key], whole["error"][key], rtol=1e-12, atol=1e-15)
@@ -41,7 +41,7 @@ def test_both_modes_give_the_same_average_and_residuals_in_float64(world):
         sequences = [[(s, b, n, d) for s, b, _, n, d in r[mode]["issued"]] for r in results]
         assert all(seq == sequences[0] for seq in sequences[1:]), f"{mode}: replicas issued different collectives"
     if world == 2:  # sums of two are exact whatever the order: the modes agree bit for bit
-        for a, b in zip(results[0]["whole-step"]["grads"], results[0]["pipelined"]["grads"]):
+        for a, b in zip(results[0]["whole-step"]["grads"], results[0]["pipelined"]["grads"], strict=True):
             assert torch.equal(a, b)
 
 
@@ -74,7 +74,7 @@ def test_coarse_units_issue_fewer_collectives_and_give_the_whole_step_average():
         _assert_same_maths(coarse, whole)
     a, b = results[0]["coarse"], results[1]["coarse"]
     assert a["issued"] == b["issued"]  # the same collectives in the same order
-    for x, y in zip(a["grads"], b["grads"]):  # replicas bit-identical
+    for x, y in zip(a["grads"], b["grads"], strict=True):  # replicas bit-identical
         assert torch.equal(x, y)
 
 

@@ -33,9 +33,10 @@ def test_uncompressed_pipeline_matches_unsplit_model(tmp_path, data_dir, schedul
     _, unsplit = _run(data_dir, tmp_path / "unsplit", 1, method="none", steps=6, eval_every=3)
     _, piped = _run(data_dir, tmp_path / schedule, 2, method="none", steps=6, eval_every=3,
                     pp=2, schedule=schedule, microbatches=2)
-    for a, b in [(_losses(unsplit), _losses(piped)), (_losses(unsplit, "val", "val_loss"), _losses(piped, "val", "val_loss"))]:
+    for a, b in [(_losses(unsplit), _losses(piped)),
+                 (_losses(unsplit, "val", "val_loss"), _losses(piped, "val", "val_loss"))]:
         assert len(a) == len(b) and len(a) > 0
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert math.isclose(x, y, rel_tol=1e-5), (a, b)
     assert unsplit[0]["loss"] > _losses(unsplit)[-1]  # it did train
 
@@ -45,7 +46,7 @@ def test_activation_gradients_full_rank_exact_and_low_rank_trains(tmp_path, data
     # block 32 x width 128: rank 32 is the whole matrix, so compression must be exact
     _, full = _run(data_dir, tmp_path / "full", 2, method="none", steps=4, eval_every=2, pp=2, microbatches=2,
                    activation_rank=32)
-    for x, y in zip(_losses(unsplit), _losses(full)):
+    for x, y in zip(_losses(unsplit), _losses(full), strict=True):
         assert math.isclose(x, y, rel_tol=1e-5), (_losses(unsplit), _losses(full))
     _, low = _run(data_dir, tmp_path / "low", 2, method="none", steps=8, eval_every=4, pp=2, microbatches=2,
                   activation_rank=2)
@@ -150,7 +151,8 @@ def test_pipeline_under_torchrun_and_layout_error(tmp_path, data_dir):
     from edgc.train.launch import free_port
 
     def torchrun(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--master-port", str(free_port()),
                "-m", "edgc", "train", "--data", str(data_dir), "--out", str(out), "--batch-size", "4",
                "--block-size", "32", "--eval-tokens", "256", "--no-progress", "--rank", "4", "--method", "edgc",
                "--steps", "4", "--edgc-warmup-steps", "1", "--edgc-window", "2", "--microbatches", "2", *extra]

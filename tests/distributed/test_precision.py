@@ -46,7 +46,7 @@ def test_loss_scale_changes_nothing_when_the_state_is_told(policy):
     torch.testing.assert_close(told[0]["params"], plain[0]["params"], rtol=1e-12, atol=1e-12)
     assert told[0]["ranks"] == plain[0]["ranks"]
     if policy == "cqm":
-        for a, b in zip(told[0]["entropies"], plain[0]["entropies"]):
+        for a, b in zip(told[0]["entropies"], plain[0]["entropies"], strict=True):
             assert (math.isnan(a) and math.isnan(b)) or abs(a - b) < 1e-9
     # without being told, the error feedback is added back at the wrong scale
     assert not torch.allclose(untold[0]["params"], plain[0]["params"], rtol=1e-6, atol=1e-9)

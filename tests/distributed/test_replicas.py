@@ -16,7 +16,7 @@ def test_gather_scatter_and_file_round_trip(tmp_path):
     assert_same(results[1]["on_all"], mine, "gathered on all")
     # the error feedback differs between replicas, so each must get its own back
     assert not torch.equal(mine[0]["groups"][0]["error"], mine[1]["groups"][0]["error"])
-    for r, own in zip(results, mine):
+    for r, own in zip(results, mine, strict=True):
         assert_same(r["scattered"], own, "scattered")
         assert_same(r["from_file"], own, "from the file")
         assert "holds the states of 1 replicas, and this job has 2" in r["wrong_length"]

@@ -19,7 +19,6 @@ from edgc.train.checkpoint import CHECKPOINT_NAME, kept_checkpoints, load_checkp
 from edgc.train.metrics import read_metrics
 from edgc.train.runfolder import LOCK_NAME
 
-
 #: The run the restart tests interrupt, and train straight through to compare against.
 RESTARTED_RUN = ["--steps", "24", "--checkpoint-every", "6", "--eval-every", "12", "--method", "powersgd",
                  "--edgc-warmup-steps", "3"]

@@ -71,7 +71,8 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int) -> 
     config = EDGCConfig(**config_kwargs)
     model, ddp, state, opt = _make(config)
     losses, ranks = _train(ddp, opt, state, rank, 0, steps)
-    n_buckets = len(ddp.reducer._get_zeros_like_grad_buckets()) if hasattr(ddp.reducer, "_get_zeros_like_grad_buckets") else -1
+    reducer = ddp.reducer
+    n_buckets = len(reducer._get_zeros_like_grad_buckets()) if hasattr(reducer, "_get_zeros_like_grad_buckets") else -1
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
             "history": list(state.controller.history),
@@ -217,11 +218,13 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
         state = EDGCState(None, EDGCConfig(**{**config_kwargs, **overrides}))
         where, issued = [0, 0, False], []
 
-        def hook(state, bucket):  # (unannotated: DDP checks annotations as objects)
+        # (this run's `where` and `issued` are bound as defaults; unannotated: DDP checks
+        # annotations as objects)
+        def hook(state, bucket, where=where):
             where[1:] = [bucket.index(), bucket.is_last()]
             return edgc_hook(state, bucket)
 
-        def spy(tensor, *args, **kwargs):
+        def spy(tensor, *args, where=where, issued=issued, **kwargs):
             issued.append((*where, tensor.numel(), str(tensor.dtype)))
             return original(tensor, *args, **kwargs)
 
@@ -475,7 +478,7 @@ def torch_powersgd_resume_check(rank: int, world: int, n: int) -> dict:
             grads = bucket.gradients()
             base = bucket.buffer().storage_offset()
             seen.append((bucket.index(), [(ids[id(p)], g.storage_offset() - base, g.numel())
-                                          for p, g in zip(bucket.parameters(), grads)]))
+                                          for p, g in zip(bucket.parameters(), grads, strict=True)]))
             return torch_powersgd_hook(state, bucket)
 
         ddp.register_comm_hook(state, hook)

@@ -43,7 +43,7 @@ def test_save_then_load_continues_exactly(one_process_group, tmp_path):
     resumed.load_state_dict(weights)
     load_states(r_state, tmp_path, step=3)
     _steps(resumed, r_state, 3, 3)
-    for a, b in zip(straight.parameters(), resumed.parameters()):
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     assert r_state.stats().compressed_steps == s_state.stats().compressed_steps == 5
 

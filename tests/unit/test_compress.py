@@ -73,7 +73,7 @@ def test_error_feedback_preserves_running_sum_of_averages():
     for _ in range(steps):
         grads = [torch.randn(1, *shape, generator=gen) for _ in range(world)]
         truth += sum(grads) / world
-        ms = [g + e for g, e in zip(grads, errors)]
+        ms = [g + e for g, e in zip(grads, errors, strict=True)]
         m_hat, q = _round(ms, q)
         applied += m_hat
         errors = [error_feedback_(m, m_hat) for m in ms]
@@ -99,7 +99,7 @@ def test_rank_change_mid_training_keeps_error_feedback_invariant():
     error = torch.zeros(1, *shape)
     q = torch.randn(1, shape[1], 4, generator=gen)
     applied, truth = torch.zeros(1, *shape), torch.zeros(1, *shape)
-    for step, rank in enumerate([4, 4, 2, 2, 6, 6, 8, 3]):
+    for rank in [4, 4, 2, 2, 6, 6, 8, 3]:
         q = resize_q(q, rank, gen)
         g = torch.randn(1, *shape, generator=gen)
         truth += g
@@ -147,7 +147,7 @@ def test_lowrank_l1_error_matches_a_direct_svd_and_is_absolute():
     torch.manual_seed(0)
     mats = [torch.randn(12, 9, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)]
     errs = lowrank_l1_error(mats, [2, 5])
-    for r, e in zip([2, 5], errs):
+    for r, e in zip([2, 5], errs, strict=True):
         total = 0.0
         for a in mats:
             u, s, vh = torch.linalg.svd(a, full_matrices=False)

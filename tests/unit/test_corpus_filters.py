@@ -164,7 +164,8 @@ def test_builtin_corpus_has_no_tables_and_no_twins_across_its_split():
     split = split_corpus(corpus, BUILTIN_VAL_FRACTION)
     assert near_twins(split) == []
     # ... and the check can fail: the old split's pair is found
-    old = CorpusSplit(train=Corpus(corpus.root, ("encodings/cp850.py",)), val=Corpus(corpus.root, ("encodings/cp858.py",)))
+    old = CorpusSplit(train=Corpus(corpus.root, ("encodings/cp850.py",)),
+                      val=Corpus(corpus.root, ("encodings/cp858.py",)))
     assert [t.train for t in near_twins(old)] == ["encodings/cp850.py"]
 
 

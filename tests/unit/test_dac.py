@@ -1,5 +1,6 @@
 """DAC at run time: T(r) fits, DACConfig, one stage's decision, and the GPT split."""
 
+import itertools
 import math
 
 import pytest
@@ -25,7 +26,7 @@ def test_fits_are_non_decreasing_even_on_noisy_decreasing_data():
     for method in ("linear", "interp"):
         m = TimeModel.fit(samples, method)
         values = [m(r) for r in range(1, 65)]
-        assert all(b >= a for a, b in zip(values, values[1:])), method
+        assert all(b >= a for a, b in itertools.pairwise(values)), method
 
 
 def test_interp_goes_through_the_means_and_extends_both_ends():
@@ -156,7 +157,7 @@ def test_stage_sent_uncompressed_by_dac_sends_its_residual_first():
 
     def step():
         grads = [torch.randn_like(p) for p in params]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         sync_with_hook(params, state, edgc_hook, cap_bytes=2**20)
         state.align()
@@ -184,7 +185,7 @@ def test_activation_compressor_sends_plus_keeps_what_it_was_given():
     torch.manual_seed(0)
     c = ActivationGradCompressor(3, seed=1)
     grads = [torch.randn(2, 6, 5, dtype=torch.float64) for _ in range(2)]
-    for step in range(3):
+    for _ in range(3):
         c.start_step()
         for slot, g in enumerate(grads):
             old = c.errors[slot].clone() if slot < len(c.errors) else torch.zeros_like(g)
@@ -200,6 +201,6 @@ def test_activation_compressor_sends_plus_keeps_what_it_was_given():
     torch.testing.assert_close(packed[:, :6] @ packed[:, 6:].transpose(1, 2), g, rtol=0, atol=1e-12)
     again = ActivationGradCompressor(3)
     again.load_state_dict(c.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(again.errors, c.errors))
+    assert all(torch.equal(a, b) for a, b in zip(again.errors, c.errors, strict=True))
     with pytest.raises(ValueError, match="rank"):
         ActivationGradCompressor(4).load_state_dict(c.state_dict())

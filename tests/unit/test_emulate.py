@@ -20,4 +20,4 @@ def test_each_block_waits_forward_then_twice_backward_and_the_gradients_are_unch
         loss.backward()
         grads.append([p.grad for p in model.parameters()])
     assert slept == [0.007] * 4 + [0.014] * 4  # then twice as long per block, backward
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -67,7 +67,7 @@ def test_sample_gradient_takes_every_kth_element_of_each_tensor(rate: float) -> 
     assert sampled.dtype == torch.float32 and sampled.dim() == 1
     assert torch.equal(sampled, expected)
     assert sampled.numel() == sum(math.ceil(t.numel() / k) for t in tensors)
-    for t, b in zip(tensors, before):
+    for t, b in zip(tensors, before, strict=True):
         assert torch.equal(t, b)  # inputs untouched
 
 

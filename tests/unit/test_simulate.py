@@ -142,7 +142,10 @@ def test_powersgd_bytes_are_m_plus_n_times_r():
     sum_m, sum_n = 2 * (384 + 128 + 512 + 128), 2 * (128 + 128 + 128 + 512)
     rest = 2 * (4 * 128 + 384 + 128 + 512 + 128) + 2 * 128  # LN, biases, ln_f
     assert sync.bytes == 2 * ((sum_m + sum_n) * 8 + rest)
-    ring = lambda elems: ring_allreduce_time(2 * elems, 2, 1e8, 1e-5)
+
+    def ring(elems):
+        return ring_allreduce_time(2 * elems, 2, 1e8, 1e-5)
+
     assert sync.wire_s == pytest.approx(ring(rest) + ring(sum_m * 8) + ring(sum_n * 8), rel=1e-12)
     plain = stage_sync(stage, None, c, profile, opts, entropy=False)
     assert plain.bytes == 2 * stage.numel and plain.wire_s == pytest.approx(ring(stage.numel), rel=1e-12)
@@ -226,7 +229,9 @@ def test_simulate_hand_cluster():
     profile = _profile(opts)
     proj = simulate(c, profile, opts)
     assert profile.measured == 0  # everything came from the given profile
-    ring = lambda elems: ring_allreduce_time(2 * elems, 2, 1e8, 1e-5)  # fp16, N = 2
+
+    def ring(elems):  # fp16, N = 2
+        return ring_allreduce_time(2 * elems, 2, 1e8, 1e-5)
 
     # t_mb = 0.5 * 0.01 s / (4 micro-batches + 2 stages - 1)
     assert proj.t_mb == pytest.approx(0.001, rel=1e-12)

@@ -41,7 +41,8 @@ LAT = 5e-6
 def test_gpu_table_and_lookup():
     assert {"V100-SXM2", "A100-SXM4", "H100-SXM5", "H200"} <= set(GPUS)
     assert find_gpu("v100") is V100 and find_gpu("H100") is GPUS["H100-SXM5"] and find_gpu("A100") is GPUS["A100-SXM4"]
-    assert (V100.fp32_flops, V100.half_flops, V100.hbm_bandwidth, V100.half_dtype) == (15.7e12, 125e12, 900e9, "float16")
+    assert ((V100.fp32_flops, V100.half_flops, V100.hbm_bandwidth, V100.half_dtype)
+            == (15.7e12, 125e12, 900e9, "float16"))
     h100 = GPUS["H100-SXM5"]
     assert (h100.half_flops, h100.hbm_bandwidth, h100.half_dtype) == (989.5e12, 3.35e12, "bfloat16")  # dense bf16
     with pytest.raises(ValueError, match="unknown GPU 'K80'.*V100-SXM2"):

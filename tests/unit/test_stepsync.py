@@ -49,9 +49,9 @@ def _step(state, params, layout, step, spoil=None):
     finally:
         del state._all_reduce
     out = {}
-    for b, f, slots in zip(buckets, futures, layout):
+    for f, slots in zip(futures, layout, strict=True):
         flat = f.wait()
-        for s, g in zip(slots, FlatBucket(0, flat, [params[s] for s in slots], True).gradients()):
+        for s, g in zip(slots, FlatBucket(0, flat, [params[s] for s in slots], True).gradients(), strict=True):
             out[s] = g.clone()
     return out, done_before_last, issued
 
@@ -100,7 +100,7 @@ def test_units_across_groups_give_the_whole_step_result(units):
     layout = [[6, 5], [4, 3], [2, 1], [0]]
     whole, a = _run("whole-step", layout, 6)
     piped, b = _run("pipelined", layout, 6, units=units)
-    for (out_a, _, _), (out_b, _, _) in zip(a, b):
+    for (out_a, _, _), (out_b, _, _) in zip(a, b, strict=True):
         for s in range(len(SHAPES)):
             torch.testing.assert_close(out_b[s], out_a[s], rtol=1e-13, atol=1e-15)
     for key, g in whole.groups.items():
@@ -148,7 +148,7 @@ def test_coarse_units_issue_fewer_collectives_for_the_whole_step_average():
                       (2, 7 * 2 * 2 + 6 * 2),  # call 2: unit 0's Q
                       (3, 3 * 8 * 2), (3, 3 * 6 * 2)]  # the last call: unit 1's P and Q
     assert done == [False, False, False]  # unit 0, started in call 1, completes in call 3: the last
-    for (out_a, _, _), (out_b, _, _) in zip(a, b):
+    for (out_a, _, _), (out_b, _, _) in zip(a, b, strict=True):
         for s in range(len(SHAPES)):
             torch.testing.assert_close(out_b[s], out_a[s], rtol=1e-13, atol=1e-15)
     assert coarse._units == [tuple(u) for u in layout]  # the plan kept is DDP's layout, not the cut

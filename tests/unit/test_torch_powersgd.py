@@ -99,7 +99,7 @@ def test_resumed_state_in_another_layout_repeats_the_uninterrupted_steps(one_pro
     b.load_state_dict(_roundtrip(a.state_dict()))
     # a goes on in its layout; b's first step has another (a resumed job's first step), then
     # b goes back to a's (DDP's rebuild after that step)
-    for step, layout in zip(range(4, 8), [OTHER, SAVED, SAVED, SAVED]):
+    for step, layout in zip(range(4, 8), [OTHER, SAVED, SAVED, SAVED], strict=True):
         want, got = _step(a, module, SAVED, _grads(step)), _step(b, module, layout, _grads(step))
         for i in want:
             assert torch.equal(got[i], want[i]), (step, i)

@@ -26,7 +26,8 @@ class WorkerResult:
     output: str  # stdout and stderr together
 
 
-def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float, env: dict[str, str] | None = None) -> list[WorkerResult]:
+def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float,
+                   env: dict[str, str] | None = None) -> list[WorkerResult]:
     """Run `python -m edgc ARGS` on every worker with torchrun's environment variables.
 
     Workers reach each other through the cluster's links (GLOO_SOCKET_IFNAME binds gloo to

@@ -126,7 +126,7 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         state, hook = _make(name, k, args)
         times, stats_before = [], None
         for step in range(args.warmup + args.steps):
-            for b, o in zip(buckets, originals):
+            for b, o in zip(buckets, originals, strict=True):
                 b.buffer().copy_(o)
             if step == args.warmup:
                 stats_before = state.stats()
@@ -141,6 +141,7 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             if step >= args.warmup:
                 times.append(float(t))
         stats = state.stats()
+        assert stats_before is not None, "--steps must be at least 1"  # (taken before the first measured step)
         rows.append({
             "method": name, "rank": k if k is not None else (0 if name == "none" else args.rank),
             "bytes": (stats.bytes_sent - stats_before.bytes_sent) / args.steps,
@@ -181,7 +182,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
     p.add_argument("--rank", type=int, default=32, help="r_max (EDGC moves in [r_max/4, r_max])")
     p.add_argument("--alpha", type=float, default=0.1, help="EDGC iteration sampling rate")
-    p.add_argument("--steps", type=int, default=10, help="measured steps (at least 1/alpha to include an entropy sample)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="measured steps (at least 1/alpha to include an entropy sample)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--sync-modes", default="pipelined,whole-step",
@@ -229,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         out_json.unlink(missing_ok=True)
     link = "loopback (no limit)" if args.loopback else f"{args.bandwidth} per link, each direction"
-    n_params = sum(math.prod(p.shape) for p in build_model(args.preset, vocab_size=args.vocab, device="meta").parameters())
+    model = build_model(args.preset, vocab_size=args.vocab, device="meta")
+    n_params = sum(math.prod(p.shape) for p in model.parameters())
     units = f", pipelined units of at least {args.min_unit_mb:g} MB on the wire" if args.min_unit_mb else ""
     title = (f"edgc bench comm: {args.preset} ({n_params / 1e6:.1f}M parameters), {args.nproc} workers, {link}; "
              f"{args.bucket_mb:g} MB buckets{units}; median of {args.steps} steps; "

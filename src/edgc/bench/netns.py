@@ -105,7 +105,7 @@ class Cluster:
                                    "install it, or use --loopback")
 
     def __enter__(self) -> Cluster:
-        if not self.emulated:
+        if self.bandwidth is None:  # (not emulated: loopback)
             return self
         self.check()
         parse_rate(self.bandwidth)  # validate before touching anything
@@ -124,6 +124,7 @@ class Cluster:
 
     def _setup(self) -> None:
         p, rate = self.prefix, self.bandwidth
+        assert rate is not None  # (__enter__ sets up an emulated cluster only)
         # The bucket holds 4 ms of traffic (at least 32 KiB): enough to sustain the rate at
         # the kernel's timer granularity, small enough that a message does not slip through
         # faster than the link. A 1 MB burst let sub-megabyte P/Q all-reduces beat the

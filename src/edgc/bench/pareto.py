@@ -37,17 +37,17 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from edgc.bench.cluster import run_on_cluster  # noqa: E402
-from edgc.bench.netns import Cluster, NetnsUnavailable  # noqa: E402
-from edgc.bench.train import time_to_target  # noqa: E402
-from edgc.config import POLICIES  # noqa: E402
-from edgc.models import PRESETS  # noqa: E402
-from edgc.train.config import TrainConfig  # noqa: E402
-from edgc.train.summary import load_run  # noqa: E402
-from edgc.train.trainer import ensure_data  # noqa: E402
+from edgc.bench.cluster import run_on_cluster
+from edgc.bench.netns import Cluster, NetnsUnavailable
+from edgc.bench.train import time_to_target
+from edgc.config import POLICIES
+from edgc.models import PRESETS
+from edgc.train.config import TrainConfig
+from edgc.train.summary import load_run
+from edgc.train.trainer import ensure_data
 
 __all__ = ["ParetoPoint", "add_parser", "frontier_verdict", "run", "static_ranks", "sweep"]
 
@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.nproc < 1 or args.rank < 1 or args.jobs < 1:
         raise ValueError("--steps, --nproc, --rank and --jobs must be positive")
     if args.jobs > 1 and args.bandwidth is not None:
-        raise ValueError("--jobs > 1 shares the machine between runs; an emulated cluster (--bandwidth) times one at a time")
+        raise ValueError("--jobs > 1 shares the machine between runs; "
+                         "an emulated cluster (--bandwidth) times one at a time")
     out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
     runs = sweep(args.rank, split_policies(args.policies))

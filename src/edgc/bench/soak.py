@@ -68,7 +68,7 @@ def soak_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         _, loss = ddp(tokens[:, :-1], tokens[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+        if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
             opt.step()
         ranks.append(state.stats().step_rank)
     return {"digest": tensors_digest(model.parameters()), "ranks": ranks, "buckets": calls[0],

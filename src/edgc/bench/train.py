@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
             runs.append(run_dir)
     # the report's ratios are against its first run: one that syncs, not compute-only
-    table = markdown_table(report(sorted(runs, key=lambda d: d.name == "compute-only"), out))
+    ordered = sorted(runs, key=lambda d: d.name == "compute-only")
+    table = markdown_table(report(ordered, out))
     text = _bench_markdown(args, steps, runs, table, cluster)
     (out / "bench.md").write_text(text)
     print(text, end="")
@@ -146,11 +147,11 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
         ttt = time_to_target(records, target)
         exposed = f"{(s.mean_step_time - compute.mean_step_time) * 1e3:.0f}" if compute else "-"
         lines.append(
-            f"| {name} | {s.mean_step_time * 1e3:.0f} | {_ratio(s.mean_step_time, base and base.mean_step_time)} | "
-            f"{exposed} | "
+            f"| {name} | {s.mean_step_time * 1e3:.0f} | "
+            f"{_ratio(s.mean_step_time, base.mean_step_time if base else None)} | {exposed} | "
             f"{s.mean_tokens_per_s:,.0f} | {comm[name] * 1e3:.0f} | {_ratio(comm[name], comm.get('none'))} | "
             f"{s.total_bytes / 1e6:.1f} | {s.final_val_loss:.4f} | "
-            f"{_ratio(s.final_val_loss, base and base.final_val_loss, pct=True)} | "
+            f"{_ratio(s.final_val_loss, base.final_val_loss if base else None, pct=True)} | "
             f"{'not reached' if math.isinf(ttt) else f'{ttt:.1f}'} |"
         )
     extra = [a for a in args.train_args if a != "--"]

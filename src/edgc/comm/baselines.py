@@ -164,7 +164,7 @@ class TorchPowerSGDState(_Counters):
         self._params: list[torch.nn.Parameter] = []
         self._index: dict[int, int] = {}  # id(parameter) -> its index in module.parameters()
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket -> layout its torch buffers are in
-        self._pending: "_PerParam | None" = None  # per-parameter state not yet in torch's buffers
+        self._pending: _PerParam | None = None  # per-parameter state not yet in torch's buffers
         if module is not None:
             self.bind(module)
 
@@ -241,7 +241,7 @@ class TorchPowerSGDState(_Counters):
         for b, flat in inner.error_dict.items():
             layout = self._layout_of(b)
             offset = 0
-            for i, shape in zip(layout, self._shapes(layout)):
+            for i, shape in zip(layout, self._shapes(layout), strict=True):
                 n = shape.numel()
                 out.error[i] = flat[offset:offset + n].detach().clone().view(shape)
                 offset += n
@@ -272,7 +272,7 @@ class TorchPowerSGDState(_Counters):
         """Build torch's buffers of bucket `b` (now in `layout`) from the pending per-parameter state."""
         pending = self._pending
         assert pending is not None
-        kw = {"device": like.device, "dtype": like.dtype}
+        kw: dict[str, Any] = {"device": like.device, "dtype": like.dtype}
         has = [i in pending.error for i in layout]
         if all(has):
             self.inner.error_dict[b] = torch.cat([pending.error.pop(i).reshape(-1) for i in layout]).to(**kw)
@@ -367,7 +367,8 @@ class TorchPowerSGDState(_Counters):
             setattr(self.inner, name, {})
         self._layouts = {}
         self._pending = None if params.empty() else params
-        self._load_counters({k: v for k, v in d.items() if k not in ("format", "version", "world_size", "inner", "params")})
+        not_counters = ("format", "version", "world_size", "inner", "params")
+        self._load_counters({k: v for k, v in d.items() if k not in not_counters})
 
     def _check_params(self, params: "_PerParam", r: int) -> None:
         assert self.module is not None
@@ -378,7 +379,8 @@ class TorchPowerSGDState(_Counters):
         for kind, tensors in (("error feedback", params.error), ("P", params.p), ("Q", params.q)):
             for i, t in tensors.items():
                 if not 0 <= i < len(shapes):
-                    raise ValueError(f"torch-powersgd-state holds {kind} of parameter {i}; the module has {len(shapes)}")
+                    raise ValueError(f"torch-powersgd-state holds {kind} of parameter {i}; "
+                                     f"the module has {len(shapes)}")
                 n, m = shapes[i][0], shapes[i].numel() // shapes[i][0]
                 want = {"error feedback": shapes[i], "P": (n, min(n, m, r)), "Q": (m, min(n, m, r))}[kind]
                 if tuple(t.shape) != tuple(want):

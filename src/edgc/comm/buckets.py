@@ -55,7 +55,7 @@ def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Calla
     missing = [i for i, p in enumerate(params) if p.grad is None]
     if missing:
         raise RuntimeError(f"parameters {missing} have no gradient; every parameter must take part in every step")
-    groups: list[list[torch.nn.Parameter]] = [[]]
+    groups: list[list[torch.Tensor]] = [[]]
     size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
@@ -65,11 +65,18 @@ def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Calla
         groups[-1].append(p)
         size += nbytes
     buckets = [
-        FlatBucket(i, torch.cat([p.grad.reshape(-1) for p in g]), g, i == len(groups) - 1)
+        FlatBucket(i, torch.cat([_grad(p).reshape(-1) for p in g]), g, i == len(groups) - 1)
         for i, g in enumerate(groups)
     ]
     futures = [hook(state, b) for b in buckets]
-    for bucket, fut in zip(buckets, futures):
+    for bucket, fut in zip(buckets, futures, strict=True):
         result = fut.wait()
-        for p, g in zip(bucket.parameters(), FlatBucket(0, result, bucket.parameters(), True).gradients()):
-            p.grad.copy_(g)
+        averaged = FlatBucket(0, result, bucket.parameters(), True).gradients()
+        for param, grad in zip(bucket.parameters(), averaged, strict=True):
+            _grad(param).copy_(grad)
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """param.grad, which sync_with_hook has checked every parameter has."""
+    assert param.grad is not None
+    return param.grad

@@ -56,7 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
 from edgc.comm.stepsync import (
     ENTROPY,
     EPS_MAX,
@@ -72,6 +71,7 @@ from edgc.comm.stepsync import (
     working_dtype,
 )
 from edgc.comm.timing import Lap, LapSum, start_lap
+from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
 from edgc.config import GROUP_POLICIES, EDGCConfig
 from edgc.entropy import is_sampled_step, sample_offsets
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
@@ -287,7 +287,8 @@ class EDGCState:
                     f"EDGC state was saved by replica {replica} but is being loaded on replica {self.replica}: "
                     "its error-feedback buffers belong to the replica that built them. Load each replica's own "
                     "state, or pass strict_replica=False to load another replica's on purpose")
-            logger.warning("EDGC: loading replica %s's state on replica %s (strict_replica=False)", replica, self.replica)
+            logger.warning("EDGC: loading replica %s's state on replica %s (strict_replica=False)",
+                           replica, self.replica)
 
     # ------------------------------------------------------------------ pickling
 
@@ -304,7 +305,7 @@ class EDGCState:
                 "grad_scale": float(self.grad_scale)}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(None, d["config"], alignment=d["alignment"])
+        type(self).__init__(self, None, d["config"], alignment=d["alignment"])
         self._group_dropped = d["group_dropped"]
         self.grad_scale = d["grad_scale"]
         if d["state"] is not None:
@@ -626,8 +627,10 @@ class EDGCState:
             if self.alignment is not None:
                 self.alignment.observe_uncompressed(step_comm)
             if not self.calibration["done"]:
+                assert plain is not None  # (StepSync times an uncompressed step while calibrating)
                 self._calibrate(grads, float(plain))  # (warm-up only: waits for the device)
         if info.want_entropy:
+            assert control is not None  # (StepSync all-reduces it on a step that wants the entropy)
             # a replica with inf/nan gradients contributes no entropy sample this step
             self.last_entropy = float(control[ENTROPY]) if control[NONFINITE] == 0 else math.nan
             self.controller.observe(self.last_entropy)
@@ -643,12 +646,14 @@ class EDGCState:
                 else:
                     self._apply_rank(self.controller.decide())
         if self.phase == "warmup" and self.calibration["done"]:
-            eps_min = float(control[EPS_MIN]) if info.want_errors else math.nan
-            eps_max = float(control[EPS_MAX]) if info.want_errors else math.nan
+            eps_min = eps_max = math.nan
             if info.want_errors:
+                assert control is not None  # (and on a step that wants the errors)
+                eps_min, eps_max = float(control[EPS_MIN]), float(control[EPS_MAX])
                 logger.info(
                     "EDGC warm-up check at step %s: eps(r_min=%s) = %.4g, eps(r_max=%s) = %.4g, eps_max = %.4g",
-                    step, self.r_min, eps_min, self.r_max, eps_max, math.nan if self.gate.eps_max is None else self.gate.eps_max,
+                    step, self.r_min, eps_min, self.r_max, eps_max,
+                    math.nan if self.gate.eps_max is None else self.gate.eps_max,
                 )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)
@@ -688,7 +693,7 @@ class EDGCState:
         self._window_sums = None
         cfg = self.config
         signals = []
-        for g, (a, b) in zip(groups, sums.t().tolist()):
+        for g, (a, b) in zip(groups, sums.t().tolist(), strict=True):
             r_min, r_max, rank = min(self.r_min, *g.shape), min(self.r_max, *g.shape), g.q.shape[-1]
             if cfg.policy == "budget":  # a = Σ‖M‖², b = Σ‖Q‖²
                 signal = 1.0 - b / a if a > 0 else math.nan
@@ -838,7 +843,7 @@ class EDGCState:
         for flat, idx in p_flats:
             scatter(flat, [ps[i] for i in idx])
         qs = []
-        for m, p in zip(mats, ps):
+        for m, p in zip(mats, ps, strict=True):
             qs.append(project_q(m.unsqueeze(0), orthogonalize_(p)))
         # collectives (calibration only): all-reduce SUM of Q, one per dtype
         self._wait([self._all_reduce(flat, async_op=True) for flat, _ in flatten_by_dtype(qs, range(len(qs)))])
@@ -873,7 +878,7 @@ class EDGCState:
         lap = None if async_op else start_lap(self.device)
         back = None
         if device_copy is not None and device_copy.type != "cpu":
-            back, tensor = (tensor.to(device_copy), tensor), None
+            back = (tensor.to(device_copy), tensor)
         work = dist.all_reduce(back[0] if back else tensor, op=op, group=self.process_group, async_op=True)
         self._recent_works.append(work)
         if async_op:
@@ -881,6 +886,7 @@ class EDGCState:
         work.wait()
         if back is not None:
             back[1].copy_(back[0].cpu())
+        assert lap is not None  # (started above for a blocking call)
         self._comm.add(lap.stop())
         return _Issued(None)
 
@@ -940,7 +946,7 @@ def _checked_units(units: Any, n_slots: int) -> list[tuple[int, ...]] | None:
 
 
 def _first_difference(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # (the lengths may differ)
         if x != y:
             return f"parameter {i}: checkpoint {x} vs model {y}"
     return f"parameter {min(len(a), len(b))}: present in only one of them"

@@ -63,6 +63,8 @@ class EDGCPipelineStage(PipelineStage):
     """A PipelineStage over a DDP-wrapped stage module, with a communication hook that runs
     after the stage's last send (see the module doc) and timings for DAC and the metrics."""
 
+    submod: DDP  # (PipelineStage's stage module, which __init__ requires to be a DDP)
+
     def __init__(
         self,
         submodule: DDP,
@@ -317,7 +319,8 @@ class StageAlignment:
         self.decisions = list(d["decisions"])
 
 
-def _all_reduce_cpu(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
+def _all_reduce_cpu(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None,
+                    device: torch.device | None) -> None:
     """All-reduce a small CPU tensor in place (through `device` where the backend needs it)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return

@@ -85,8 +85,10 @@ def scatter_replicas(entries: list[Any] | None, *, src: int = 0, group: dist.Pro
     if count[0] != world:
         replica_entry([None] * count[0] if count[0] >= 0 else None, group=group, what=f"the list on replica {src}")
     out: list[Any] = [None]
+    # (on `src`, entries is a list of `world` entries by now: any other value raised above)
+    payload = list(entries) if rank == src and entries is not None else None
     # collective: scatter of one pickled payload from replica `src` to each replica
-    dist.scatter_object_list(out, list(entries) if rank == src else None, src=_global(group, src), group=group)
+    dist.scatter_object_list(out, payload, src=_global(group, src), group=group)
     return out[0]
 
 

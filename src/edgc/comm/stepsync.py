@@ -177,7 +177,7 @@ def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequenc
     of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], and numel
     elements for any other slot, at the element size of the slot's gradient dtype.
     `groups` empty: a step sent uncompressed."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes)]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
     for g in groups:
         for s in g.slots:
             sizes[s] = sum(g.shape) * g.q.shape[-1] * g.dtype.itemsize
@@ -224,7 +224,7 @@ class UnitPlan:
     parts: list[_PartPlan]  # compressed matrices, by group in group order
 
 
-def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.device) -> UnitPlan:
+def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.device | None) -> UnitPlan:
     """The UnitPlan of the unit `slots`; `groups` None: a step sent uncompressed."""
     ordered = tuple(sorted(slots))
     if not groups:
@@ -233,8 +233,8 @@ def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.de
     positions: dict[int, list[int]] = {}
     for s in ordered:
         if s in where:
-            c, pos = where[s]
-            positions.setdefault(c, []).append(pos)
+            c, at = where[s]
+            positions.setdefault(c, []).append(at)
     parts = []
     for c in sorted(positions):
         pos = positions[c]  # ascending, as slots and g.slots are
@@ -289,7 +289,7 @@ class StepSync:
         self.started = 0  # units[:started] are under way
         self.in_p: list[_Round] = []  # P issued, not finished
         self.in_q: list[_Round] = []  # last collective issued, not completed
-        self.info: StepInfo | None = None
+        self.info: StepInfo  # what EDGCState decided for this step (set by _begin)
         self.step_comm = LapSum()  # this step's time waiting for collectives (the DAC's T(r))
         self.plain_lap: Lap | None = None
         if pipelined:
@@ -315,7 +315,7 @@ class StepSync:
             grads, layout = state._assign_slots(self.buckets)
             self.grads = dict(enumerate(grads))
             self._begin()
-            for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets)):
+            for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets, strict=True)):
                 self._arrive(b, slots, buffer)
             if self.whole:
                 self.units = [tuple(range(len(grads)))]
@@ -327,7 +327,7 @@ class StepSync:
         grads = [self.grads[s] for s in range(len(state.slot_shapes))]
         if info.flush:
             state._flush_error_feedback(grads)
-        control = self._control(grads)
+        pending = self._control(grads)
         if not info.compressed and not state.calibration["done"]:
             self.plain_lap = start_lap(state.device)
         self._start_ready()
@@ -341,9 +341,10 @@ class StepSync:
         self.in_q = []
         if self.plain_lap is not None:
             self.plain_lap.stop()
-        if control is not None:
-            state._wait([control[1]])
-            control = control[0]
+        control = None
+        if pending is not None:
+            control, work = pending
+            state._wait([work])
             control[ENTROPY:] /= state.world_size
         finite = self._commit() if info.compressed else True
         if len(self.layout) > 1:
@@ -436,11 +437,10 @@ class StepSync:
         state = self.state
         plan = state._unit_plan(unit, self.groups)
         r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed))
-        for part in plan.parts:
-            r.parts.append(self._project_p(part))
+        r.parts = [self._project_p(part) for part in plan.parts]
         if r.parts:
             r.p_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[0], state.device)
-            for part, p, send in zip(r.parts, works, sends):
+            for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
                 project_p(part.m, part.q_in, out=p)
                 if send is not p:
@@ -479,12 +479,14 @@ class StepSync:
         for flat in [*(f for f, _ in r.flats), *r.p_flats]:
             self.ok &= torch.isfinite(flat).all()  # (on the device: read once, at the commit)
         for part in r.parts:
+            assert part.p is not None and part.p_send is not None  # (set by _start)
             if part.p_send is not part.p:
                 part.p.copy_(part.p_send)  # the sum, as it arrived
             orthogonalize_(part.p)
         r.q_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[1], state.device)
-        for part, q, send in zip(r.parts, works, sends):
+        for part, q, send in zip(r.parts, works, sends, strict=True):
             part.q, part.q_send = q, send
+            assert part.p is not None
             project_q(part.m, part.p, out=q)
             if send is not q:
                 send.copy_(q)
@@ -509,6 +511,7 @@ class StepSync:
                 self.ok &= torch.isfinite(flat).all()
         for part in r.parts:
             g, index = part.plan.group, part.plan.index
+            assert part.p is not None and part.q is not None and part.q_send is not None  # (set by _finish_p)
             if part.q_send is not part.q:
                 part.q.copy_(part.q_send)
             part.q.div_(state.world_size)
@@ -545,6 +548,7 @@ class StepSync:
         control[NONFINITE] = float(not bool(self.local_finite))
         if info.want_entropy:
             sample = self.sample
+            assert sample is not None  # (_begin allocates it on a step that wants the entropy)
             if info.scale != 1.0:
                 sample.div_(info.scale)  # the entropy of the true gradient, not of the scaled one
             control[ENTROPY] = estimate_entropy(sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
@@ -599,14 +603,15 @@ def _factor_buffers(
     Where a group works in its wire dtype, its working view is its wire view (no copy).
     """
     groups = [part.plan.group for part in parts]
-    flats, sends = [], [None] * len(parts)
+    flats, wire = [], {}  # wire: part -> its wire view
     for dtype in dtype_order(g.dtype for g in groups):
         members = [i for i, g in enumerate(groups) if g.dtype == dtype]
         shapes = [(len(parts[i].plan.slots), rows(groups[i]), parts[i].q_in.shape[-1]) for i in members]
         flat = torch.empty(sum(b * n * r for b, n, r in shapes), dtype=dtype, device=device)
-        for i, view, shape in zip(members, flat.split([b * n * r for b, n, r in shapes]), shapes):
-            sends[i] = view.view(shape)  # (B', rows, r)
+        for i, view, shape in zip(members, flat.split([b * n * r for b, n, r in shapes]), shapes, strict=True):
+            wire[i] = view.view(shape)  # (B', rows, r)
         flats.append(flat)
+    sends = [wire[i] for i in range(len(parts))]
     works = [send if working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=working_dtype(g.dtype))
-             for g, send in zip(groups, sends)]
+             for g, send in zip(groups, sends, strict=True)]
     return flats, works, sends

@@ -86,8 +86,8 @@ class LapSum:
             self._pending.append(lap)
             if len(self._pending) > 64:  # fold in the ones that have finished by now
                 finished = [p.done for p in self._pending]
-                self._total += sum(float(p) for p, f in zip(self._pending, finished) if f)
-                self._pending = [p for p, f in zip(self._pending, finished) if not f]
+                self._total += sum(float(p) for p, f in zip(self._pending, finished, strict=True) if f)
+                self._pending = [p for p, f in zip(self._pending, finished, strict=True) if not f]
         else:
             self._total += float(lap)
 

@@ -320,12 +320,12 @@ def iter_text_files(paths: str | Path | Iterable[str | Path]) -> Iterator[Path]:
     Raises FileNotFoundError for a path that does not exist, and ValueError if a named
     file is not text or nothing textual is found at all.
     """
-    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    if not paths:
+    roots = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not roots:
         raise ValueError("no input paths given; pass text files or folders")
     seen: set[Path] = set()
     n_yielded = 0
-    for path in paths:
+    for path in roots:
         if not path.exists():
             raise FileNotFoundError(
                 f"input path {str(path)!r} does not exist; pass existing text files or "
@@ -356,6 +356,6 @@ def iter_text_files(paths: str | Path | Iterable[str | Path]) -> Iterator[Path]:
             yield candidate
     if n_yielded == 0:
         raise ValueError(
-            f"no text files found in {', '.join(repr(str(p)) for p in paths)}; "
+            f"no text files found in {', '.join(repr(str(p)) for p in roots)}; "
             f"pass folders that contain UTF-8 text files"
         )

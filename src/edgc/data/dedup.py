@@ -156,8 +156,8 @@ def similar_pairs(
     for band in range(NUM_PERM // BAND_ROWS):
         buckets: dict[bytes, list[int]] = defaultdict(list)
         rows = sigs[:, band * BAND_ROWS : (band + 1) * BAND_ROWS]  # (n, BAND_ROWS)
-        for i in np.flatnonzero(~empty):
-            buckets[rows[i].tobytes()].append(int(i))
+        for doc in np.flatnonzero(~empty):
+            buckets[rows[doc].tobytes()].append(int(doc))
         for members in buckets.values():
             for a in range(len(members)):
                 for b in range(a + 1, len(members)):

@@ -147,8 +147,9 @@ def prepare_builtin(
     start = time.perf_counter()
     split = split_corpus(builtin_corpus(max_bytes), val_fraction)
     if tokenizer == "bpe":
-        tok: Tokenizer = train_bpe_tokenizer(split.train.texts(), vocab_size=vocab_size)
-        tok.save(out_dir / TOKENIZER_FILE)
+        bpe = train_bpe_tokenizer(split.train.texts(), vocab_size=vocab_size)
+        bpe.save(out_dir / TOKENIZER_FILE)
+        tok: Tokenizer = bpe
         spec = TOKENIZER_FILE
     else:
         tok = load_tokenizer(tokenizer)

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ __all__ = ["TokenFile", "TokenFileHeader", "write_token_file", "get_batch"]
 _MAGIC = b"EDGC-TOKENS\n"
 HEADER_BYTES = 1024
 FORMAT_VERSION = 1
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _WRITE_CHUNK = 1 << 20  # ids buffered before a write when the input is a stream of ints
 
 

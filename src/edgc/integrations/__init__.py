@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from edgc.comm.hook import EDGCState, EDGCStats, edgc_hook
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +42,11 @@ def log_values(stats: EDGCStats, prefix: str = "edgc/") -> dict[str, float]:
 
 
 def _register(ddp: Any, state: EDGCState, world_size: int, who: str, *, wrapper_hint: str,
-              unused_hint: str) -> bool:
-    """Register edgc_hook on `ddp`, the framework's DDP wrapper; returns False (with a
-    warning) for a single process that has no DDP wrapper, and raises for any other
-    wrapper. `wrapper_hint` and `unused_hint` say how to fix the wrapper and how to turn
-    off find_unused_parameters in the caller's framework."""
+              unused_hint: str) -> TypeGuard[DistributedDataParallel]:
+    """Register edgc_hook on `ddp`, the framework's DDP wrapper; returns True then (`ddp`
+    is a DDP), False (with a warning) for a single process that has no DDP wrapper, and
+    raises for any other wrapper. `wrapper_hint` and `unused_hint` say how to fix the
+    wrapper and how to turn off find_unused_parameters in the caller's framework."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp, DistributedDataParallel):

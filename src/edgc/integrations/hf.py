@@ -153,7 +153,7 @@ class EDGCTrainerCallback(TrainerCallback):
         args.resume_from_checkpoint names, or output_dir/checkpoint-STEP (where the
         Trainer saves, and where train(resume_from_checkpoint=True) looks)."""
         folders = [Path(args.resume_from_checkpoint)] if args.resume_from_checkpoint else []
-        folders.append(Path(args.output_dir) / f"checkpoint-{step}")
+        folders.append(_output_dir(args) / f"checkpoint-{step}")
         for folder in folders:
             if (folder / FILE_NAME).is_file():
                 load_states(self.state, folder, step=step)
@@ -164,7 +164,7 @@ class EDGCTrainerCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # (the Trainer has just written checkpoint-N on rank 0; every rank gets here)
-        save_states(self.state, Path(args.output_dir) / f"checkpoint-{state.global_step}", step=state.global_step)
+        save_states(self.state, _output_dir(args) / f"checkpoint-{state.global_step}", step=state.global_step)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
@@ -177,3 +177,9 @@ class EDGCTrainerCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else {}
         if last.get("step") == state.global_step and last.get("loss") == logs["loss"]:
             last.update(values)
+
+
+def _output_dir(args: TrainingArguments) -> Path:
+    """args.output_dir as a Path (TrainingArguments fills in its default: never None here)."""
+    assert args.output_dir is not None
+    return Path(args.output_dir)

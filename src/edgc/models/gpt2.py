@@ -95,7 +95,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         # output projection; a residual projection, so _init_weights scales it down
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.c_proj.is_residual_projection = True
+        self.c_proj.is_residual_projection = True  # type: ignore[assignment]  # a bool flag, not a Tensor or Module
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ class MLP(nn.Module):
         # GPT-2 uses the tanh approximation of GELU
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.c_proj.is_residual_projection = True
+        self.c_proj.is_residual_projection = True  # type: ignore[assignment]  # a bool flag, not a Tensor or Module
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,12 +235,11 @@ def build_model(
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(PRESETS)}")
-    overrides = {}
+    config = PRESETS[preset]
     if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
+        config = dataclasses.replace(config, vocab_size=vocab_size)
     if block_size is not None:
-        overrides["block_size"] = block_size
-    config = dataclasses.replace(PRESETS[preset], **overrides)
+        config = dataclasses.replace(config, block_size=block_size)
     # Constructing under the device context creates every parameter there directly,
     # with no CPU copy first; on "meta" the init calls are no-ops.
     with torch.device(device):

@@ -50,4 +50,4 @@ def equivalent_rank(ranks: list[int], costs: list[int]) -> float:
     """The uniform rank that would send the same bytes: Σ cost·r / Σ cost, where a group's
     cost is the elements one rank of it sends (Σ over its matrices of m + n)."""
     total = sum(costs)
-    return sum(r * c for r, c in zip(ranks, costs)) / total if total else 0.0
+    return sum(r * c for r, c in zip(ranks, costs, strict=True)) / total if total else 0.0

@@ -96,10 +96,10 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
     if ckpt["world_size"] != world_size:
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size}")
     saved_layout = tuple(ckpt.get("layout", (1, ckpt["world_size"])))
-    layout = tuple(layout) if layout is not None else (1, world_size)
-    if saved_layout != layout:
+    job_layout = tuple(layout) if layout is not None else (1, world_size)
+    if saved_layout != job_layout:
         problems.append(f"layout: checkpoint pp={saved_layout[0]} x dp={saved_layout[1]}, "
-                        f"this job pp={layout[0]} x dp={layout[1]}")
+                        f"this job pp={job_layout[0]} x dp={job_layout[1]}")
     if saved["preset"] != preset or ckpt["model_config"] != model_config:
         problems.append(f"model: checkpoint {saved['preset']} {ckpt['model_config']}, this job {preset} {model_config}")
     if saved["method"] != method:

@@ -73,8 +73,8 @@ class DivergenceGuard:
             self.refused = False
             return True
         if not self.refused:  # (once per run of refusals: a diverged run would repeat it at every checkpoint step)
-            kept = (f"the last good checkpoint, step {self.checkpoint_step}, is kept" if self.checkpoint_step is not None
-                    else "no checkpoint was written yet")
+            kept = (f"the last good checkpoint, step {self.checkpoint_step}, is kept"
+                    if self.checkpoint_step is not None else "no checkpoint was written yet")
             logger.warning("step %d: no checkpoint written, %s (%s; so for every checkpoint step until one is "
                            "finite again)", step, why, kept)
         self.refused = True

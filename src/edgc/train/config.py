@@ -6,7 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +16,11 @@ import torch
 from edgc.config import GROUP_POLICIES, MAX_RANK, SEED_LIMIT, EDGCConfig, check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, packaged for Python 3.10 (a dependency there only)
+    import tomli as tomllib
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only")
 SCHEDULES = ("1f1b", "gpipe")
@@ -350,7 +355,8 @@ class TrainConfig:
         """Raise ValueError unless pp * dp == world, showing the arithmetic."""
         dp = self.dp if self.dp is not None else world // self.pp
         if self.pp * dp != world or dp < 1:
-            raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): the layout must use every worker exactly once")
+            raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): "
+                             "the layout must use every worker exactly once")
 
     def dac_config(self) -> DACConfig:
         """The DACConfig of this run (defaults plus `dac` overrides); raises ValueError by name."""

@@ -195,7 +195,7 @@ def run_local(fn: Callable, nproc: int, *args: Any, timeout: float | None = None
             for p in procs:
                 p.start()
             if on_start is not None:
-                on_start([p.pid for p in procs])
+                on_start([p.pid for p in procs if p.pid is not None])  # (every one: all have started)
             deadline = None if timeout is None else time.monotonic() + timeout
             _join_all(procs, out_dir, deadline, steps)
         except WorkerError as exc:

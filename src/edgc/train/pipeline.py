@@ -48,8 +48,8 @@ from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.emulate import emulate_device_time
-from edgc.train.launch import report_step
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
+from edgc.train.launch import report_step
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
 
@@ -64,7 +64,7 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
     base, extra = divmod(n_layer, stages)
     sizes = [base + (1 if p >= stages - extra else 0) for p in range(stages)]
     starts = [sum(sizes[:p]) for p in range(stages)]
-    return [range(s, s + n) for s, n in zip(starts, sizes)]
+    return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
 
 class GPTStage(nn.Module):
@@ -78,6 +78,7 @@ class GPTStage(nn.Module):
                  seed: int = 0) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.n_embd = model.config.n_embd  # C, the width of the hidden states it passes on
         # low-rank activation gradients (comm/activation.py): this stage sends a carrier
         # forward (not last) and compresses what it sends backward (not first)
         self.activation_rank = activation_rank
@@ -105,7 +106,7 @@ class GPTStage(nn.Module):
             return x.detach(), Carrier.apply(x, self.activation_rank)  # (B, T, C), (B, T + C, r)
         return x
 
-    def tied_weight(self) -> nn.Parameter | None:
+    def tied_weight(self) -> torch.Tensor | None:
         """The embedding on the first stage, the head on the last (None in between)."""
         if self.first:
             return self.wte.weight
@@ -184,19 +185,19 @@ def _run(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, x: torch.Tens
 
 def _clip(stage_mod: GPTStage, layout: _Layout, max_norm: float) -> torch.Tensor:
     """Clip the whole pipeline's gradient norm (the tied matrix counted once, as unsplit)."""
-    params = [p for p in stage_mod.parameters() if p.grad is not None]
+    grads = [(p, p.grad) for p in stage_mod.parameters() if p.grad is not None]
     skip = stage_mod.lm_head.weight if layout.last and layout.pp > 1 else None
-    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device)
-    for p in params:
+    sq = torch.zeros(1, dtype=torch.float64, device=grads[0][1].device)
+    for p, g in grads:
         if p is not skip:
-            sq += p.grad.detach().double().pow(2).sum()
+            sq += g.detach().double().pow(2).sum()
     # collective: all-reduce SUM of 1 float64 over the pipeline group
     dist.all_reduce(sq, group=layout.pp_group)
     norm = sq.sqrt().float()
     if max_norm > 0 and bool(torch.isfinite(norm)):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef)
+        for _, g in grads:
+            g.mul_(coef)
     return norm
 
 
@@ -208,6 +209,7 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
     dp, run through the schedule forward only. The last stage computes each block's loss
     from the schedule's merged output; the other stages add nothing to the sums. Every
     rank must call it; it returns the same result on all."""
+    assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     moments = LossMoments(device)
     starts = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)[layout.replica :: layout.dp]
     # (every stage of a replica walks the same blocks, so the schedule's sends and
@@ -230,12 +232,16 @@ _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompr
            "compress", "loss", "p2p_bytes")
 
 
-def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
+def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
+                          resume: str | None) -> dict[str, Any]:
     """One rank of pipeline × data-parallel training. Rank 0 writes metrics and checkpoints."""
     cfg = TrainConfig.from_dict(cfg_dict)
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if use_cuda else torch.device("cpu")
     layout = _Layout(cfg, rank, world, device)
+    # (resolved: TrainConfig.resolve filled these in)
+    assert cfg.microbatches is not None and cfg.block_size is not None
+    assert cfg.eval_every is not None and cfg.checkpoint_every is not None
     data = Path(data_dir)
     meta = json.loads((data / "meta.json").read_text())
     train_tokens, val_tokens = TokenFile(data / "train.bin"), TokenFile(data / "val.bin")
@@ -247,7 +253,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     emulate_device_time(stage_mod.h, cfg.emulated_device_ms)
     ddp = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
               device_ids=[device.index] if use_cuda else None)
-    inputs, outputs = _stage_examples(cfg, layout, stage_mod.h[0].ln_1.weight.shape[-1], meta["vocab_size"], device)
+    inputs, outputs = _stage_examples(cfg, layout, stage_mod.n_embd, meta["vocab_size"], device)
     stage = EDGCPipelineStage(ddp, layout.stage, layout.pp, device, layout.pp_group,
                               sync_after_send=cfg.sync_after_send, bucket_cap_mb=cfg.bucket_cap_mb,
                               input_args=inputs, output_args=outputs)
@@ -297,7 +303,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 dist.all_reduce(tied.grad, group=layout.tied_group)
             norm = _clip(stage_mod, layout, cfg.grad_clip)
             alignment = getattr(hook_state, "alignment", None)
-            if alignment is not None and not (alignment.decisions and alignment.decisions[-1]["step"] == hook_state.step):
+            if alignment is not None and not (alignment.decisions
+                                              and alignment.decisions[-1]["step"] == hook_state.step):
                 # the first pipeline-wide collectives after the sync wait for the last stage
                 # to finish (on window ends the DAC exchange inside the sync did the waiting)
                 alignment.observe_wait(time.perf_counter() - t_synced)
@@ -316,7 +323,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 layout.stage, layout.replica, stats.step_rank,
                 stats.comm_seconds - prev.comm_seconds, stats.bytes_sent - prev.bytes_sent,
                 stats.bytes_uncompressed - prev.bytes_uncompressed, times.sync_start, times.sync_end,
-                t_wall, t_wall + step_time, float(times.forward), float(times.backward), float(times.sync), stats.entropy,
+                t_wall, t_wall + step_time, float(times.forward), float(times.backward), float(times.sync),
+                stats.entropy,
                 stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
                 float(stats.step_phase == "compress"), loss if loss is not None else 0.0,
                 _p2p_bytes(cfg, layout, stage_mod, p2p_before),
@@ -325,7 +333,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             gathered = [torch.empty_like(mine) for _ in range(world)]
             # collective (metrics only): all-gather of 19 float64 per rank
             dist.all_gather(gathered, mine)
-            rows = [dict(zip(_FIELDS, g.tolist())) for g in gathered]
+            rows = [dict(zip(_FIELDS, g.tolist(), strict=True)) for g in gathered]
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
             val = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -343,7 +351,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         if writer is not None:
             writer.close()
     alignment = getattr(hook_state, "alignment", None)
-    return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped, "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
+    return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped,
+            "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
             "decisions": alignment.decisions if alignment is not None else []}
 
 
@@ -389,6 +398,8 @@ def _stage_examples(cfg: TrainConfig, layout: _Layout, n_embd: int, vocab: int,
                     device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example inputs and outputs of one micro-batch for this stage (zeros; shapes, dtypes
     and requires_grad are what the pipeline needs to know)."""
+    # (resolved: TrainConfig.resolve filled these in)
+    assert cfg.microbatches is not None and cfg.block_size is not None
     mb, t = cfg.batch_size // cfg.microbatches, cfg.block_size
     r = min(cfg.activation_rank, t, n_embd)
 
@@ -404,8 +415,10 @@ def _stage_examples(cfg: TrainConfig, layout: _Layout, n_embd: int, vocab: int,
 def _p2p_bytes(cfg: TrainConfig, layout: _Layout, stage_mod: GPTStage, compressed_before: int) -> int:
     """Bytes this stage sent to its neighbours in the step: activations (and carriers)
     forward unless last, activation gradients backward unless first."""
+    # (resolved: TrainConfig.resolve filled these in)
+    assert cfg.microbatches is not None and cfg.block_size is not None
     mb = cfg.batch_size // cfg.microbatches
-    c = (stage_mod.wte.weight if layout.first else stage_mod.h[0].ln_1.weight).shape[-1]
+    c = stage_mod.n_embd
     item = next(stage_mod.parameters()).element_size()
     whole = mb * cfg.block_size * c * item  # one micro-batch's activation (B, T, C)
     n = 0

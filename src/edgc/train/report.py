@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from edgc.train.plots import plot_runs
@@ -10,7 +11,7 @@ from edgc.train.summary import RunSummary, load_run, summarize, table
 __all__ = ["report"]
 
 
-def report(run_dirs: list[str | Path], out_dir: str | Path) -> list[RunSummary]:
+def report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[RunSummary]:
     """Write report.md and overlay plots into out_dir; returns the runs' summaries, in the
     order of its table."""
     if not run_dirs:
@@ -21,7 +22,7 @@ def report(run_dirs: list[str | Path], out_dir: str | Path) -> list[RunSummary]:
         loaded.append((Path(d).name, config, records))
     names = [n for n, _, _ in loaded]
     if len(set(names)) != len(names):  # same folder names in different places: use the paths
-        loaded = [(str(d), c, r) for d, (_, c, r) in zip(run_dirs, loaded)]
+        loaded = [(str(d), c, r) for d, (_, c, r) in zip(run_dirs, loaded, strict=True)]
     summaries = [summarize(n, c, r) for n, c, r in loaded]
     text = table(summaries)
     out_dir = Path(out_dir)

@@ -153,6 +153,10 @@ def show_table(summaries: list[RunSummary], console: Console | None = None) -> N
     console.print(drawn)
 
 
+#: The per-stage lists in a pipeline run's train records that stage_table averages.
+_STAGE_KEYS = ("stage_rank", "stage_comm_time", "stage_sync_end", "stage_idle_time", "stage_p2p_bytes")
+
+
 def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
     """Per pipeline stage (runs with --pp > 1): mean rank, sync time and when the sync ends
     (seconds from the step's start), idle time and bytes to the neighbour stages, over
@@ -164,17 +168,17 @@ def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
         if not timed:
             continue
         for p in range(len(timed[0]["stage_rank"])):
-            def mean(key: str) -> float:
-                return sum(r.get(key, [0.0] * (p + 1))[p] for r in timed) / len(timed)
+            mean = {key: sum(r.get(key, [0.0] * (p + 1))[p] for r in timed) / len(timed) for key in _STAGE_KEYS}
             uncompressed = sum(1 for r in timed if r["stage_rank"][p] == 0) / len(timed)
-            lines.append(f"| {name} | {p} | {mean('stage_rank'):.1f} | {uncompressed:.0%} | "
-                         f"{mean('stage_comm_time') * 1e3:.0f} | {mean('stage_sync_end') * 1e3:.0f} | "
-                         f"{mean('stage_idle_time') * 1e3:.0f} | {mean('stage_p2p_bytes') / 1e3:.0f} |")
+            lines.append(f"| {name} | {p} | {mean['stage_rank']:.1f} | {uncompressed:.0%} | "
+                         f"{mean['stage_comm_time'] * 1e3:.0f} | {mean['stage_sync_end'] * 1e3:.0f} | "
+                         f"{mean['stage_idle_time'] * 1e3:.0f} | {mean['stage_p2p_bytes'] / 1e3:.0f} |")
     if not lines:
         return ""
     return ("Pipeline stages, compressed steps (rank 0 = uncompressed; sync end: ms from the step's start; "
             "p2p: activations and their gradients sent to the neighbour stages):\n\n"
-            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) | p2p KB/step |\n"
+            "| run | stage | mean rank | uncompressed | sync comm (ms) | sync ends at (ms) | idle (ms) "
+            "| p2p KB/step |\n"
             "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n")
 
 
@@ -190,8 +194,10 @@ def _layout(config: dict[str, Any]) -> str:
 def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """A sentence on the final evaluation: loss ± standard error, and what it covered."""
     val = [r for r in records if r.get("kind") == "val"]
-    if not val or val[-1].get("val_loss") is None:
-        return "No finite validation loss: the run diverged (see `skipped` and `grad_norm` in metrics.jsonl).\n\n" if val else ""
+    if not val:
+        return ""
+    if val[-1].get("val_loss") is None:
+        return "No finite validation loss: the run diverged (see `skipped` and `grad_norm` in metrics.jsonl).\n\n"
     if val[-1].get("val_loss_se") is None:
         return ""
     last = val[-1]

@@ -59,7 +59,8 @@ from edgc.train.summary import write_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_MAY_CHANGE", "TrainingFailed", "lr_at", "prepare_run", "resume_config", "resume_target", "train", "train_distributed", "train_worker", "write_meta"]
+__all__ = ["RESUME_MAY_CHANGE", "TrainingFailed", "lr_at", "prepare_run", "resume_config", "resume_target", "train",
+           "train_distributed", "train_worker", "write_meta"]
 
 
 def ensure_data(cfg: TrainConfig) -> Path:
@@ -69,9 +70,11 @@ def ensure_data(cfg: TrainConfig) -> Path:
     folder = cfg.builtin_data_folder()
     if not (folder / "meta.json").is_file():
         logger.info("tokenising the built-in corpus into %s (once)", folder)
-        prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes, vocab_size=cfg.vocab_size)
+        prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes,
+                                   vocab_size=cfg.vocab_size)
         write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
-                   prepared.train_tokens, prepared.val_tokens, source="built-in corpus (Python standard library sources)")
+                   prepared.train_tokens, prepared.val_tokens,
+                   source="built-in corpus (Python standard library sources)")
     return folder
 
 
@@ -135,7 +138,8 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
     if values["edgc"] and "sync_mode" not in values["edgc"]:
         values["edgc"]["sync_mode"] = "whole-step"  # (runs made before the pipelined mode existed)
-    refused, changed = [], []
+    refused: list[str] = []
+    changed: list[str] = []
 
     def compare(name: str, table: dict[str, Any], field: str, value: Any) -> None:
         """A given option that differs from the run's: into `table` if RESUME_MAY_CHANGE
@@ -185,7 +189,7 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
     RunLock.check_free(out)  # (these two refuse without touching the folder; again under the lock)
     if not resume and not overwrite:
         check_new_run(out, overwrite=False)
-    ckpt = (out / CHECKPOINT_NAME) if resume is True else resume
+    ckpt = (out / CHECKPOINT_NAME) if resume is True else (resume or None)
     with RunLock(out) as lock:
         for leftover in clean_leftovers(out):
             logger.warning("removed %s, left by a process killed while writing it", leftover)
@@ -257,7 +261,7 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
     dist.init_process_group(process_group_backend(device.type, local_world, torch.cuda.device_count()),
                             store=dist.PrefixStore(f"edgc/attempt-{attempt}", store), rank=rank, world_size=world)
     cfg = dataclasses.replace(cfg, nproc=world)  # torchrun decides the world, not --nproc
-    ckpt = (Path(cfg.out) / CHECKPOINT_NAME) if resume is True else resume
+    ckpt = (Path(cfg.out) / CHECKPOINT_NAME) if resume is True else (resume or None)
     lock = RunLock(cfg.out)
     try:
         # rank 0 locks the folder, validates and writes config.json; one process per machine
@@ -309,6 +313,7 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
     """Validation loss and its standard error over the fixed evaluation blocks (see
     edgc.train.evaluation), block i on rank i mod world. Every rank must call it; it
     returns the same result on all. The model is left in training mode."""
+    assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     model.eval()
     moments = LossMoments(device)
     starts = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)[rank::world]
@@ -325,9 +330,9 @@ def worker_device(device: str) -> torch.device:
     current CUDA device."""
     if device != "cuda":
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
+    gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(gpu)
+    return gpu
 
 
 class Precision:
@@ -369,6 +374,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         )
 
         return train_pipeline_worker(rank, world, cfg_dict, data_dir, resume)
+    # (resolved: TrainConfig.resolve filled these in)
+    assert cfg.block_size is not None and cfg.eval_every is not None and cfg.checkpoint_every is not None
     data = Path(data_dir)
     meta = json.loads((data / "meta.json").read_text())
     train_tokens, val_tokens = TokenFile(data / "train.bin"), TokenFile(data / "val.bin")

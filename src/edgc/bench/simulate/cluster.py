@@ -170,6 +170,7 @@ class ClusterSpec:
         """Return the step's compute time: `step_compute_s`, or 6·params·tokens / (gpus·achieved_flops)."""
         if self.step_compute_s is not None:
             return float(self.step_compute_s)
+        assert self.achieved_flops is not None  # (exactly one of the two is given: checked on construction)
         tokens = self.global_batch * self.seq_len
         return 6.0 * n_params * tokens / (self.gpus * self.achieved_flops)
 
@@ -209,7 +210,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
         names = bundled_clusters()
         if name_or_path not in names:
             raise ValueError(f"unknown cluster {name_or_path!r}; bundled: {', '.join(names)}, or give a TOML file")
-        with resources.as_file(resources.files("edgc.bench").joinpath("clusters", f"{name_or_path}.toml")) as p:
+        with resources.as_file(resources.files("edgc.bench") / "clusters" / f"{name_or_path}.toml") as p:
             values = load_config_file(p)
     else:
         values = load_config_file(path)

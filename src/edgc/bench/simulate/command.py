@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("preset", args.preset), ("steps", args.steps)) if v is not None}
     if overrides:
         cluster = ClusterSpec.from_dict({**cluster.__dict__, **overrides})
-    schedule = None
+    schedule: tuple[tuple[float, float], ...] | None = None
     if args.edgc_mean_rank is not None:
         schedule = ((args.warmup_fraction, args.edgc_mean_rank), (1.0, args.edgc_mean_rank))
     elif args.edgc_schedule:

@@ -39,17 +39,29 @@ class EntropyCost:
 
 
 class CostSource(Protocol):
-    """Gives the seconds of EDGC's local arithmetic on some hardware."""
+    """Gives the seconds of EDGC's local arithmetic on some hardware. (Its values are
+    read-only properties here, so that a property or a frozen field provides them.)"""
 
-    origin: str
-    """Where the numbers come from: "roofline:<GPU>" or "measured:<device name>"."""
-    detail: str
-    """One line for the report: the assumptions, or how and where it was timed."""
-    exhaustive: bool
-    """True if a cost is cheap to get (a model), so every rank 1..r_max is filled in;
-    False (a timer): only the ranks asked for, the others interpolated."""
-    measures: bool
-    """True if it times real work (slow, and reported as a measurement)."""
+    @property
+    def origin(self) -> str:
+        """Where the numbers come from: "roofline:<GPU>" or "measured:<device name>"."""
+        ...
+
+    @property
+    def detail(self) -> str:
+        """One line for the report: the assumptions, or how and where it was timed."""
+        ...
+
+    @property
+    def exhaustive(self) -> bool:
+        """True if a cost is cheap to get (a model), so every rank 1..r_max is filled in;
+        False (a timer): only the ranks asked for, the others interpolated."""
+        ...
+
+    @property
+    def measures(self) -> bool:
+        """True if it times real work (slow, and reported as a measurement)."""
+        ...
 
     def lowrank(self, m: int, n: int, ranks: Sequence[int], batch: int) -> dict[int, float]:
         """Return {rank: seconds of one round over a batch of `batch` (m, n) matrices}."""

@@ -145,7 +145,8 @@ def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(knots)
 
 
-def _schedule_rank(schedule: Sequence[tuple[float, float]], fraction: float, rank_max: int, multiple: int) -> int | None:
+def _schedule_rank(schedule: Sequence[tuple[float, float]], fraction: float, rank_max: int,
+                   multiple: int) -> int | None:
     """Stage-0 rank at `fraction` of training; None before the first knot (warm-up)."""
     if fraction < schedule[0][0]:
         return None
@@ -327,6 +328,7 @@ def _project_method(
             step_sum += fig[0]
             counted += 1
         last = sp
+    assert last is not None  # (ClusterSpec.steps is at least 1)
     k = max(1, counted)
     return MethodProjection(method, label, warmup_steps, first or last, last, sync / k, wire / k, overhead / k,
                             step_sum / k, total)
@@ -370,7 +372,8 @@ def simulate(cluster: ClusterSpec, profile: CostProfile, opts: SimOptions) -> Pr
     def project(ranks_: Sequence[int | None], entropy: bool) -> StepProjection:
         key = (tuple(ranks_), entropy)
         if key not in cache:
-            syncs = tuple(stage_sync(s, r, cluster, profile, opts, entropy=entropy) for s, r in zip(stages, ranks_))
+            syncs = tuple(stage_sync(s, r, cluster, profile, opts, entropy=entropy)
+                          for s, r in zip(stages, ranks_, strict=True))
             cache[key] = StepProjection(tuple(ranks_), syncs, compute, t_mb)
         return cache[key]
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import platform
@@ -152,6 +153,28 @@ class DeviceTimer:
         cast = work != self.dtype
         grads = [self._randn((m, n), gen) for _ in range(b)]  # b gradients of (m, n)
         error = self._randn((b, m, n), gen, 1e-3).to(work)  # (B, m, n)
+
+        def one_round(q0: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                      p_wire: torch.Tensor, q_wire: torch.Tensor) -> None:
+            mat = torch.stack(grads).to(work)  # (B, m, n)
+            mat.add_(error)
+            project_p(mat, q0, out=p)  # (B, m, r)
+            if cast:
+                p_wire.copy_(p)  # (P's all-reduce goes here)
+                p.copy_(p_wire)
+            orthogonalize_(p)
+            project_q(mat, p, out=q)  # (B, n, r)
+            if cast:
+                q_wire.copy_(q)  # (Q's all-reduce goes here)
+                q.copy_(q_wire)
+            q.div_(2)  # the average over replicas
+            m_hat = reconstruct(p, q)  # (B, m, n)
+            for i, g in enumerate(grads):
+                g.copy_(m_hat[i])
+            error_feedback_(mat, m_hat)
+            kept = q.clone()
+            bool((kept.flatten(1).abs().amax(dim=1) == 0).any())  # the hook's dead-Q check
+
         out = {}
         for r in ranks:
             r = min(r, m, n)
@@ -160,28 +183,7 @@ class DeviceTimer:
             q = torch.empty((b, n, r), device=self.device, dtype=work)
             p_wire = torch.empty_like(p, dtype=self.dtype)  # (B, m, r) as it travels
             q_wire = torch.empty_like(q, dtype=self.dtype)  # (B, n, r)
-
-            def one_round() -> None:
-                mat = torch.stack(grads).to(work)  # (B, m, n)
-                mat.add_(error)
-                project_p(mat, q0, out=p)  # (B, m, r)
-                if cast:
-                    p_wire.copy_(p)  # (P's all-reduce goes here)
-                    p.copy_(p_wire)
-                orthogonalize_(p)
-                project_q(mat, p, out=q)  # (B, n, r)
-                if cast:
-                    q_wire.copy_(q)  # (Q's all-reduce goes here)
-                    q.copy_(q_wire)
-                q.div_(2)  # the average over replicas
-                m_hat = reconstruct(p, q)  # (B, m, n)
-                for i, g in enumerate(grads):
-                    g.copy_(m_hat[i])
-                error_feedback_(mat, m_hat)
-                kept = q.clone()
-                bool((kept.flatten(1).abs().amax(dim=1) == 0).any())  # the hook's dead-Q check
-
-            out[r] = self.time(one_round) * batch / b
+            out[r] = self.time(functools.partial(one_round, q0, p, q, p_wire, q_wire)) * batch / b
             logger.info("timed (%s, %s) x%s at rank %s: %.3g s", m, n, b, r, out[r] / batch * b)
         return out
 
@@ -349,10 +351,10 @@ class CostProfile:
             if version not in (1, _PROFILE_VERSION):
                 raise ValueError(f"version {version} is not 1 or {_PROFILE_VERSION}")
             for e in d["lowrank"]:
-                key = (int(e["m"]), int(e["n"]), int(e["rank"]))
-                self.lowrank[key] = float(e["seconds_per_matrix"])
+                mnr = (int(e["m"]), int(e["n"]), int(e["rank"]))
+                self.lowrank[mnr] = float(e["seconds_per_matrix"])
                 if e.get("batch") is not None:
-                    self.batches[key] = int(e["batch"])
+                    self.batches[mnr] = int(e["batch"])
             for e in d["entropy"]:
                 key = (float(e["gradient_sample_rate"]), str(e["estimator"]), int(e["bins"]))
                 self.entropy[key] = EntropyCost(float(e.get("fixed_seconds", 0.0)), float(e["seconds_per_element"]))
