@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -138,7 +139,7 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
             continue
         flag = f"--{flag_prefix}{name.replace('_', '-')}"
         shown = (shown_defaults or {}).get(name) or _shown(defaults[name])
-        help_text = f"{docs.get(name, '')} (default: {shown})".replace("%", "%%")
+        help_text = f"{_as_typed(docs.get(name, ''))} (default: {shown})".replace("%", "%%")
         if ftype.kind is bool:
             group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(ftype),
                                default=argparse.SUPPRESS, metavar="true|false", help=help_text)
@@ -151,6 +152,18 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
             metavar = ftype.metavar
         group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,
                            metavar=metavar, help=help_text)
+
+
+# Python's words for a value, as the command line writes them (edgc.config.FieldType.parse)
+_TYPED_WORDS = {"None": "null", "True": "true", "False": "false"}
+_PYTHON_WORD = re.compile(r"\b(None|True|False)\b")
+
+
+def _as_typed(text: str) -> str:
+    """A field's docstring as help for its flag: Python's None, True and False (whole words
+    only) as the command line writes them, null, true and false. The docstrings keep
+    Python's words: they are the Python API's documentation too."""
+    return _PYTHON_WORD.sub(lambda m: _TYPED_WORDS[m.group(1)], text)
 
 
 def _path_text(text: str) -> str:

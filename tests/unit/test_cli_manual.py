@@ -6,6 +6,7 @@ import io
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook, log_stats
-from edgc.cli import main
+from edgc.cli import _as_typed, main
 from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.config import field_types
 from edgc.train.config import TrainConfig
@@ -53,6 +54,20 @@ def test_train_help_reads_as_a_manual():
     places = [text.index(h) for h in headings]
     assert places == sorted(places)
     assert "edgc train --pp 2 --dp 2 4 workers: 2 pipeline stages x 2 replicas" in text
+
+
+def test_train_help_writes_null_true_false_as_the_command_line_does():
+    # the fields' docstrings say None, True and False, as Python does; a flag takes null,
+    # true and false, and the help says so (it said "None: the preset's")
+    text = _help()
+    for word in ("None", "True", "False"):
+        assert not re.search(rf"\b{word}\b", text), re.search(rf".{{40}}\b{word}\b.{{40}}", text).group(0)
+    assert "--block-size INT|null Context length; null: the preset's. (default: null)" in text
+    assert "--min-lr FLOAT|null Floor of the cosine decay; null: lr / 10." in text
+    assert "(null: all of it, about 9 MB" in text and "false keeps torch's placement" in text
+    assert "--edgc-max-rank INT|null" in text and "null: calibrate it" in text
+    # only whole words: a name that holds one (NoneType, Falsey) would be left as written
+    assert _as_typed("None: x; NoneType, Falsey, not None.") == "null: x; NoneType, Falsey, not null."
 
 
 def test_every_flag_has_its_default_and_every_field_one_group():
