@@ -174,6 +174,21 @@ def _path_text(text: str) -> str:
     return text
 
 
+def _explain(parser: argparse.ArgumentParser) -> None:
+    """Bring a command's hand-written parser to `edgc train -h`'s standard: its help laid out
+    as a manual (_Manual), INT and FLOAT as placeholders of numbers, and each option's
+    default, as the command line writes it, after its help unless the help already gives
+    it ("(default: ..."). A None default is left to the help's words."""
+    parser.formatter_class = _Manual
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS) or action.nargs == 0:  # (-h and flags: nothing to show)
+            continue
+        if action.metavar is None and action.choices is None and action.type in (int, float):
+            action.metavar = "INT" if action.type is int else "FLOAT"
+        if action.default is not None and "(default: " not in action.help:
+            action.help += f" (default: {_shown(action.default)})".replace("%", "%%")
+
+
 def _shown(default: object) -> str:
     """A field's default as the command line writes it: null, true, false, "" or the value."""
     if default is None:
@@ -245,10 +260,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+_PREPARE_EXAMPLES = """\
+examples:
+  edgc prepare ~/texts/ --out data/mine --tokenizer gpt2          the GPT-2 BPE
+  edgc prepare a.txt more/ --out data/mine2 --tokenizer bpe       a local BPE trained on them
+  edgc train --data data/mine                                     train on the folder"""
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder")
+    p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder",
+                       description="Tokenise text files into a data folder for edgc train --data: train.bin and "
+                                   "val.bin (split by file), meta.json, and a BPE's tokenizer.json. Near-duplicate "
+                                   "files are left out (it prints how many).",
+                       epilog=_PREPARE_EXAMPLES)
     p.add_argument("paths", nargs="+", help="text files or folders (searched recursively)")
-    p.add_argument("--out", required=True, help="output folder (train.bin, val.bin, meta.json)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (train.bin, val.bin, meta.json)")
     p.add_argument("--tokenizer", default="gpt2",
                    help='"gpt2", "bpe" (train a byte-level BPE on the train split) or a saved BPE tokenizer.json')
     p.add_argument("--vocab-size", type=int, default=2048, help='size of the BPE trained with --tokenizer bpe')
@@ -256,6 +282,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-duplicates", action="store_true",
                    help="keep near-duplicate files (by default the first of each family of files whose "
                         "word 5-gram Jaccard similarity is >= 0.7 is kept and the rest left out)")
+    _explain(p)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -272,9 +299,14 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="compare finished runs in a table and overlay plots")
+    p = sub.add_parser("report", help="compare finished runs in a table and overlay plots",
+                       description="Compare runs of edgc train: a table of their final validation loss (± its "
+                                   "standard error), bytes sent and times, against the first run, in report.md "
+                                   "and in the terminal, and their curves overlaid in plots.",
+                       epilog="example:\n  edgc report runs/a runs/b --out runs/report")
     p.add_argument("runs", nargs="+", help="run folders")
-    p.add_argument("--out", default="runs/report", help="where report.md and the plots go")
+    p.add_argument("--out", default="runs/report", metavar="DIR", help="where report.md and the plots go")
+    _explain(p)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -289,12 +321,16 @@ def _report(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from edgc.bench import comm, pareto, soak, train
 
-    p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster")
-    kinds = p.add_subparsers(dest="bench", required=True)
-    comm.add_parser(kinds)
-    train.add_parser(kinds)
-    pareto.add_parser(kinds)
-    soak.add_parser(kinds)
+    p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster",
+                       description="Measure the gradient-sync methods side by side. comm, train and pareto run "
+                                   "each worker in its own network namespace with tc-limited links (root and "
+                                   "iproute2; --loopback, or for pareto no --bandwidth, runs on 127.0.0.1 "
+                                   "instead); soak runs local gloo workers. edgc bench KIND -h for each.")
+    kinds = p.add_subparsers(dest="bench", required=True, metavar="KIND")
+    for module in (comm, train, pareto, soak):
+        module.add_parser(kinds)
+    for parser in kinds.choices.values():
+        _explain(parser)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -307,6 +343,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     from edgc.bench import simulate
 
     simulate.add_parser(sub)
+    _explain(sub.choices["simulate"])
 
 
 def _simulate(args: argparse.Namespace) -> int:

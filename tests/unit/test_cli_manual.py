@@ -1,6 +1,8 @@
-"""`edgc train --help` as a manual, the layout flags, the summary table in a terminal, the
-TensorBoard scalars of a metrics record, and `log_stats` for a loop of one's own."""
+"""`edgc train --help` as a manual, and every other command's help to its standard; the
+layout flags, the summary table in a terminal, the TensorBoard scalars of a metrics record,
+and `log_stats` for a loop of one's own."""
 
+import argparse
 import dataclasses
 import io
 import logging
@@ -16,7 +18,7 @@ from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook, log_stats
-from edgc.cli import _as_typed, main
+from edgc.cli import _as_typed, _shown, main
 from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.config import field_types
 from edgc.train.config import TrainConfig
@@ -80,6 +82,43 @@ def test_every_flag_has_its_default_and_every_field_one_group():
     grouped = [name for names in TrainConfig.GROUPS.values() for name in names]
     assert len(grouped) == len(set(grouped))
     assert set(grouped) == {n for n, t in field_types(TrainConfig).items() if t.kind is not dict}
+
+
+# every command but train (whose flags are generated from its config's fields, above), by its words
+OTHER_COMMANDS = [("bench", "comm"), ("bench", "train"), ("bench", "pareto"), ("bench", "soak"), ("simulate",),
+                  ("prepare",), ("report",)]
+
+
+def _parser(words: tuple[str, ...]) -> argparse.ArgumentParser:
+    from edgc.cli import build_parser
+
+    parser = build_parser()
+    for word in words:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return parser
+
+
+@pytest.mark.parametrize("words", OTHER_COMMANDS, ids=" ".join)
+def test_every_option_of_the_other_commands_is_explained_with_its_default(words, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # (one line per option: no word is broken at a hyphen)
+    with pytest.raises(SystemExit) as exit_:
+        main([*words, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    parser = _parser(words)
+    assert parser.description and parser.description.split()[0] in text
+    if words[0] in ("bench", "simulate"):
+        assert "examples: edgc " + " ".join(words) in text
+    shown = [a for a in parser._actions if a.dest != "help" and a.help != argparse.SUPPRESS]
+    assert len(shown) >= 2
+    for action in shown:
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and action.help.strip(), f"{name} has no help"
+        if action.nargs == 0 or action.default is None:  # (a flag without a value; a default in words)
+            continue
+        assert f"(default: {_shown(action.default)}" in text, f"{name}: its default {action.default!r} is not shown"
+    for word in ("None", "True", "False"):
+        assert not re.search(rf"\(default: {word}\b", text), word
 
 
 def test_scaled_edgc_defaults_are_the_ones_the_run_sets():

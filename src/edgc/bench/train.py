@@ -75,14 +75,35 @@ def time_to_target(records: list[dict], target: float) -> float:
     return math.inf
 
 
+_DESCRIPTION = """\
+Train the same run once per method, one method after the other, each with `edgc train` on \
+the same seed, data, model and steps, on an emulated cluster: one network namespace per \
+worker, every link limited with tc (needs root and iproute2; --loopback runs on 127.0.0.1 \
+without limits). Writes each run's folder and bench.md in --out: step time, tokens/s, time \
+in gradient communication, bytes, final validation loss, and the training time each method \
+needs to reach a target validation loss."""
+
+_EXAMPLES = """\
+examples:
+  edgc bench train --nproc 4 --bandwidth 200mbit --mode quick       the default methods, 100 steps
+  edgc bench train --loopback --nproc 2 --steps 20                  a quick look, no namespaces
+  edgc bench train --methods compute-only,powersgd-rmax,powersgd-rmax-wholestep
+                                                                    exposed communication, per sync mode
+  edgc bench train --methods edgc,edgc-uniform -- --pp 2 --dp 2     DAC against uniform stage ranks
+                                                                    (after --: edgc train options)"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="end-to-end training per method on an emulated cluster")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--bandwidth", default="200mbit", help="per-link rate, each direction (tc syntax)")
+    p = sub.add_parser("train", help="end-to-end training per method on an emulated cluster",
+                       description=_DESCRIPTION, epilog=_EXAMPLES)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset of every run")
+    p.add_argument("--nproc", type=int, default=4, help="workers, one per emulated node")
+    p.add_argument("--bandwidth", default="200mbit", metavar="RATE",
+                   help="per-link rate, each direction (tc syntax: 200mbit, 1gbit)")
     p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
-    p.add_argument("--mode", choices=sorted(MODES), default="quick", help="quick: 100 steps; full: 600")
-    p.add_argument("--steps", type=int, default=None, help="override the mode's step count")
+    p.add_argument("--mode", choices=sorted(MODES), default="quick",
+                   help=f"run length: {', '.join(f'{m} {n} steps' for m, n in MODES.items())}")
+    p.add_argument("--steps", type=int, default=None, help="steps of every run (default: the --mode's)")
     p.add_argument("--methods", default="none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc",
                    help="comma-separated: none, compute-only (no sync: the exposed-communication baseline), "
                         "torch-powersgd, powersgd-rmax, powersgd-rmin, edgc, edgc-uniform, edgc-dac-cap, "
@@ -90,9 +111,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
     p.add_argument("--target-loss", type=float, default=None,
                    help="validation loss for time-to-target (default: the worst final loss of all methods)")
-    p.add_argument("--out", default=None, help="output folder (default runs/bench-<time>)")
-    p.add_argument("--timeout", type=float, default=3 * 3600, help="per method, seconds")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/bench-<time>)")
+    p.add_argument("--timeout", type=float, default=3 * 3600,
+                   help="seconds each method's run may take before its workers are killed")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options for every run")
 
 
 def run(args: argparse.Namespace) -> int:
