@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from edgc.cli import main
 from edgc.train.checkpoint import kept_checkpoints, load_checkpoint, save_checkpoint
 from edgc.train.common import DivergenceGuard, TrainingDiverged
 from edgc.train.runfolder import LOCK_NAME, RunFolderBusy, RunLock, check_new_run, clean_leftovers
@@ -24,6 +25,33 @@ def test_a_second_lock_on_a_folder_is_refused_until_the_first_is_released(tmp_pa
     RunLock.check_free(run)
     with RunLock(run):
         pass
+
+
+def test_resume_of_a_live_run_without_a_checkpoint_yet_says_it_is_in_use(tmp_path, capsys, monkeypatch):
+    # a run that has started but not reached its first checkpoint step: its launcher holds
+    # the lock (naming itself and its workers) and has written config.json and metrics
+    # (it said "no checkpoint at ...", as if nothing ran there)
+    monkeypatch.setattr("edgc.train.trainer.run_local", _no_training)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    with RunLock(run) as lock:
+        lock.note([4242, 4243])
+        (run / "config.json").write_text('{"steps": 300}')
+        (run / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')
+        for argv in (["--resume", str(run)], ["--resume", str(run / "checkpoint.pt")],
+                     ["--auto-resume", "--out", str(run)]):
+            assert main(["train", *argv, "--no-progress"]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith(f"edgc train: error: run folder {str(run)!r} is in use"), err
+            assert f"pid {os.getpid()}" in err and "workers 4242 4243" in err
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, "config.json", "metrics.jsonl"]
+    # once the run has ended, the same command says what is there
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("a refused command reached the workers")
 
 
 def test_check_free_creates_nothing(tmp_path):

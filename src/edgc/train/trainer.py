@@ -128,8 +128,12 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     """The settings to continue a run with: those its checkpoint was made with, plus the
     `given` options (TrainConfig fields, "edgc" and "dac" dicts) that RESUME_MAY_CHANGE
     lists. Any other given option that differs is refused with a ValueError naming it;
-    changed ones are logged."""
+    changed ones are logged. Raises RunFolderBusy when a live run holds the checkpoint's
+    folder, with or without a checkpoint yet."""
     checkpoint = Path(checkpoint)
+    # (before the checkpoint is read: a live run that has not reached its first checkpoint
+    # step has none, and "no checkpoint" would hide that it is running)
+    RunLock.check_free(checkpoint.parent)
     saved = dict(load_checkpoint(checkpoint)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
