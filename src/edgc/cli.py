@@ -236,7 +236,14 @@ def _given_options(args: argparse.Namespace) -> dict:
 def _train(args: argparse.Namespace) -> int:
     from edgc.train.config import TrainConfig
     from edgc.train.summary import load_run, show_table, summarize
-    from edgc.train.trainer import CHECKPOINT_NAME, resume_config, resume_target, train, train_distributed
+    from edgc.train.trainer import (
+        CHECKPOINT_NAME,
+        RunDiverged,
+        resume_config,
+        resume_target,
+        train,
+        train_distributed,
+    )
 
     given = _given_options(args)
     if args.resume and args.auto_resume:
@@ -251,13 +258,29 @@ def _train(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_dict(given)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     start = train_distributed if under_torchrun else train
-    # (--auto-resume without a checkpoint yet: a restarted job replaces its own first attempt)
-    run = start(cfg, resume=resume, overwrite=args.overwrite or (args.auto_resume and resume is None))
+    diverged = None
+    try:
+        # (--auto-resume without a checkpoint yet: a restarted job replaces its own first attempt)
+        run = start(cfg, resume=resume, overwrite=args.overwrite or (args.auto_resume and resume is None))
+    except RunDiverged as exc:  # (what it wrote is kept: shown as a finished run's, then the error, exit 1)
+        run, diverged = exc.run, exc
     if not under_torchrun or os.environ.get("RANK") == "0":
-        print(f"run folder: {run}  (summary.md, metrics.jsonl, plots, checkpoint.pt)", flush=True)
+        print(f"run folder: {run}  ({', '.join(_written(run))})", flush=True)
         config, records = load_run(run)
         show_table([summarize(run.name, config, records)])
+    if diverged is not None:
+        raise diverged
     return 0
+
+
+def _written(run: Path) -> list[str]:
+    """Which of a run's outputs its folder holds, as the run folder line lists them: some
+    of summary.md, metrics.jsonl, plots and checkpoint.pt (a diverged run may have none)."""
+    from edgc.train.checkpoint import CHECKPOINT_NAME
+
+    listed = {"summary.md": "summary.md", "metrics.jsonl": "metrics.jsonl", "loss.png": "plots",
+              CHECKPOINT_NAME: CHECKPOINT_NAME}
+    return [shown for name, shown in listed.items() if (run / name).is_file()]
 
 
 _PREPARE_EXAMPLES = """\

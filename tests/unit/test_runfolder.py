@@ -1,5 +1,6 @@
 """The run folder's guards and the checkpoint files: lock, overwrite, leftovers, kept
-checkpoints, CRC checks, and no checkpoint from a diverged model."""
+checkpoints, CRC checks, no checkpoint from a diverged model, and a run that ends diverged
+saying so."""
 
 import math
 import os
@@ -118,3 +119,36 @@ def test_the_divergence_guard_keeps_the_last_finite_checkpoint_and_says_why(capl
         guard.observe(step, loss=math.inf, grad_norm=math.nan)
     with pytest.raises(TrainingDiverged, match=r"3 steps in a row \(steps 4-6.*run/checkpoint.pt at step 2"):
         guard.observe(6, loss=5.0, grad_norm=math.inf)
+
+
+def test_the_divergence_guard_says_whether_a_run_ended_diverged():
+    # a run too short for `limit` to stop it: at its end, its last checkpoint refused or its
+    # validation loss not finite is a diverged run (it used to end as a finished one)
+    finite, broken = {"w": torch.ones(2)}, {"w": torch.tensor([1.0, math.inf])}
+    guard = DivergenceGuard(limit=25, run_dir="run", checkpoint_step=None)
+    assert guard.verdict(val_loss=None) is None  # (no step yet)
+    guard.observe(1, loss=5.0, grad_norm=1.0)
+    assert guard.may_save(1, finite) and guard.verdict(val_loss=4.5) is None
+    assert guard.verdict(val_loss=math.nan) == (
+        "training diverged: the validation loss was not finite at the last step of the run: at step 1, loss 5, "
+        "gradient norm 1, validation loss nan; the last good checkpoint is run/checkpoint.pt at step 1")
+    guard.observe(2, loss=5.0, grad_norm=1.0)
+    assert not guard.may_save(2, broken)
+    assert guard.verdict(val_loss=None) == (
+        "training diverged: the model's weights were not finite after the last step of the run: at step 2, "
+        "loss 5, gradient norm 1; the last good checkpoint is run/checkpoint.pt at step 1")
+    guard.observe(3, loss=656201.8125, grad_norm=math.inf)
+    assert not guard.may_save(3, finite)
+    assert guard.verdict(val_loss=6e5) == (
+        "training diverged: the loss or gradient norm was not finite at the last step of the run (its update was "
+        "skipped): at step 3, loss 656202, gradient norm inf, validation loss 600000; the last good checkpoint is "
+        "run/checkpoint.pt at step 1")
+    guard = DivergenceGuard(limit=25, run_dir="run", checkpoint_step=None)
+    for step in (1, 2, 3):
+        guard.observe(step, loss=math.nan, grad_norm=math.nan)
+    assert not guard.may_save(3, finite)
+    assert guard.verdict(val_loss=None) == (
+        "training diverged: the loss or gradient norm was not finite for the last 3 steps of the run (1-3; updates "
+        "were skipped): at step 3, loss nan, gradient norm nan; no checkpoint was written")
+    guard.observe(4, loss=5.0, grad_norm=1.0)
+    assert guard.may_save(4, finite) and guard.verdict(val_loss=5.0) is None  # (finite again by its end)
