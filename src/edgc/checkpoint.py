@@ -32,8 +32,8 @@ import torch
 from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas
 from edgc.data.atomic import atomic_write
 
-__all__ = ["FILE_NAME", "gather_states", "load_states", "read_states", "restore_state", "save_states",
-           "verify_checksums"]
+__all__ = ["FILE_NAME", "gather_states", "is_torch_archive", "load_states", "read_states", "restore_state",
+           "save_states", "verify_checksums"]
 
 FILE_NAME = "edgc_state.pt"
 _FORMAT = "edgc-replica-states"
@@ -98,13 +98,16 @@ def read_states(folder: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no EDGC state at {str(path)!r}: it is written beside a checkpoint by "
                                 f"edgc.checkpoint.save_states (or an edgc integration) when the checkpoint is saved")
+    not_ours = f"{str(path)!r} is not an EDGC state file (written by edgc.checkpoint.save_states)"
+    if not is_torch_archive(path):
+        raise ValueError(not_ours)
     verify_checksums(path)
     try:
         data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
         raise ValueError(f"EDGC state {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise ValueError(f"{str(path)!r} is not an EDGC state file (written by edgc.checkpoint.save_states)")
+        raise ValueError(not_ours)
     if data.get("version") != _VERSION:
         raise ValueError(f"EDGC state {str(path)!r} has version {data.get('version')}, this edgc reads {_VERSION}")
     return data
@@ -133,6 +136,22 @@ def _own_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_own_copy(v) for v in obj)
     return obj
+
+
+# the first bytes of every zip archive's first record, so of every torch.save file
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def is_torch_archive(path: str | Path) -> bool:
+    """Whether the file at `path` begins as a torch.save archive does, damaged or whole: a
+    checkpoint cut short or with a flipped byte does (verify_checksums then says what is
+    wrong), a text file, random bytes or an empty file do not. Reads 4 bytes; True for a
+    file that cannot be read, for verify_checksums to report."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    except OSError:
+        return True
 
 
 def verify_checksums(path: str | Path) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -139,7 +140,7 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
             continue
         flag = f"--{flag_prefix}{name.replace('_', '-')}"
         shown = (shown_defaults or {}).get(name) or _shown(defaults[name])
-        help_text = f"{docs.get(name, '')} (default: {shown})".replace("%", "%%")
+        help_text = f"{_as_typed(docs.get(name, ''))} (default: {shown})".replace("%", "%%")
         if ftype.kind is bool:
             group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(ftype),
                                default=argparse.SUPPRESS, metavar="true|false", help=help_text)
@@ -154,12 +155,39 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
                            metavar=metavar, help=help_text)
 
 
+# Python's words for a value, as the command line writes them (edgc.config.FieldType.parse)
+_TYPED_WORDS = {"None": "null", "True": "true", "False": "false"}
+_PYTHON_WORD = re.compile(r"\b(None|True|False)\b")
+
+
+def _as_typed(text: str) -> str:
+    """A field's docstring as help for its flag: Python's None, True and False (whole words
+    only) as the command line writes them, null, true and false. The docstrings keep
+    Python's words: they are the Python API's documentation too."""
+    return _PYTHON_WORD.sub(lambda m: _TYPED_WORDS[m.group(1)], text)
+
+
 def _path_text(text: str) -> str:
     """A path given on the command line, as written; refuses empty text (which would
     otherwise read as "not given": `--resume ""` started a new run with the defaults)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
     return text
+
+
+def _explain(parser: argparse.ArgumentParser) -> None:
+    """Bring a command's hand-written parser to `edgc train -h`'s standard: its help laid out
+    as a manual (_Manual), INT and FLOAT as placeholders of numbers, and each option's
+    default, as the command line writes it, after its help unless the help already gives
+    it ("(default: ..."). A None default is left to the help's words."""
+    parser.formatter_class = _Manual
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS) or action.nargs == 0:  # (-h and flags: nothing to show)
+            continue
+        if action.metavar is None and action.choices is None and action.type in (int, float):
+            action.metavar = "INT" if action.type is int else "FLOAT"
+        if action.default is not None and "(default: " not in action.help:
+            action.help += f" (default: {_shown(action.default)})".replace("%", "%%")
 
 
 def _shown(default: object) -> str:
@@ -209,7 +237,14 @@ def _given_options(args: argparse.Namespace) -> dict:
 def _train(args: argparse.Namespace) -> int:
     from edgc.train.config import TrainConfig
     from edgc.train.summary import load_run, show_table, summarize
-    from edgc.train.trainer import CHECKPOINT_NAME, resume_config, resume_target, train, train_distributed
+    from edgc.train.trainer import (
+        CHECKPOINT_NAME,
+        RunDiverged,
+        resume_config,
+        resume_target,
+        train,
+        train_distributed,
+    )
 
     given = _given_options(args)
     if args.resume and args.auto_resume:
@@ -224,19 +259,46 @@ def _train(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_dict(given)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     start = train_distributed if under_torchrun else train
-    # (--auto-resume without a checkpoint yet: a restarted job replaces its own first attempt)
-    run = start(cfg, resume=resume, overwrite=args.overwrite or (args.auto_resume and resume is None))
+    diverged = None
+    try:
+        # (--auto-resume without a checkpoint yet: a restarted job replaces its own first attempt)
+        run = start(cfg, resume=resume, overwrite=args.overwrite or (args.auto_resume and resume is None))
+    except RunDiverged as exc:  # (what it wrote is kept: shown as a finished run's, then the error, exit 1)
+        run, diverged = exc.run, exc
     if not under_torchrun or os.environ.get("RANK") == "0":
-        print(f"run folder: {run}  (summary.md, metrics.jsonl, plots, checkpoint.pt)", flush=True)
+        print(f"run folder: {run}  ({', '.join(_written(run))})", flush=True)
         config, records = load_run(run)
         show_table([summarize(run.name, config, records)])
+    if diverged is not None:
+        raise diverged
     return 0
 
 
+def _written(run: Path) -> list[str]:
+    """Which of a run's outputs its folder holds, as the run folder line lists them: some
+    of summary.md, metrics.jsonl, plots and checkpoint.pt (a diverged run may have none)."""
+    from edgc.train.checkpoint import CHECKPOINT_NAME
+
+    listed = {"summary.md": "summary.md", "metrics.jsonl": "metrics.jsonl", "loss.png": "plots",
+              CHECKPOINT_NAME: CHECKPOINT_NAME}
+    return [shown for name, shown in listed.items() if (run / name).is_file()]
+
+
+_PREPARE_EXAMPLES = """\
+examples:
+  edgc prepare ~/texts/ --out data/mine --tokenizer gpt2          the GPT-2 BPE
+  edgc prepare a.txt more/ --out data/mine2 --tokenizer bpe       a local BPE trained on them
+  edgc train --data data/mine                                     train on the folder"""
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder")
+    p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder",
+                       description="Tokenise text files into a data folder for edgc train --data: train.bin and "
+                                   "val.bin (split by file), meta.json, and a BPE's tokenizer.json. Near-duplicate "
+                                   "files are left out (it prints how many).",
+                       epilog=_PREPARE_EXAMPLES)
     p.add_argument("paths", nargs="+", help="text files or folders (searched recursively)")
-    p.add_argument("--out", required=True, help="output folder (train.bin, val.bin, meta.json)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (train.bin, val.bin, meta.json)")
     p.add_argument("--tokenizer", default="gpt2",
                    help='"gpt2", "bpe" (train a byte-level BPE on the train split) or a saved BPE tokenizer.json')
     p.add_argument("--vocab-size", type=int, default=2048, help='size of the BPE trained with --tokenizer bpe')
@@ -244,6 +306,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-duplicates", action="store_true",
                    help="keep near-duplicate files (by default the first of each family of files whose "
                         "word 5-gram Jaccard similarity is >= 0.7 is kept and the rest left out)")
+    _explain(p)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -260,9 +323,14 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="compare finished runs in a table and overlay plots")
+    p = sub.add_parser("report", help="compare finished runs in a table and overlay plots",
+                       description="Compare runs of edgc train: a table of their final validation loss (± its "
+                                   "standard error), bytes sent and times, against the first run, in report.md "
+                                   "and in the terminal, and their curves overlaid in plots.",
+                       epilog="example:\n  edgc report runs/a runs/b --out runs/report")
     p.add_argument("runs", nargs="+", help="run folders")
-    p.add_argument("--out", default="runs/report", help="where report.md and the plots go")
+    p.add_argument("--out", default="runs/report", metavar="DIR", help="where report.md and the plots go")
+    _explain(p)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -277,12 +345,16 @@ def _report(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from edgc.bench import comm, pareto, soak, train
 
-    p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster")
-    kinds = p.add_subparsers(dest="bench", required=True)
-    comm.add_parser(kinds)
-    train.add_parser(kinds)
-    pareto.add_parser(kinds)
-    soak.add_parser(kinds)
+    p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster",
+                       description="Measure the gradient-sync methods side by side. comm, train and pareto run "
+                                   "each worker in its own network namespace with tc-limited links (root and "
+                                   "iproute2; --loopback, or for pareto no --bandwidth, runs on 127.0.0.1 "
+                                   "instead); soak runs local gloo workers. edgc bench KIND -h for each.")
+    kinds = p.add_subparsers(dest="bench", required=True, metavar="KIND")
+    for module in (comm, train, pareto, soak):
+        module.add_parser(kinds)
+    for parser in kinds.choices.values():
+        _explain(parser)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -295,6 +367,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     from edgc.bench import simulate
 
     simulate.add_parser(sub)
+    _explain(sub.choices["simulate"])
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -130,6 +130,21 @@ def test_bench_train_loopback(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_train_reports_a_method_that_ends_diverged_and_goes_on(tmp_path, data_dir, capsys):
+    # `edgc train` exits 1 for a run that ends diverged; a comparison reports it, with the
+    # reason, and goes on to the next method instead of stopping
+    out = tmp_path / "bench"
+    assert main(["bench", "train", "--loopback", "--nproc", "2", "--steps", "6", "--methods", "none,powersgd-rmax",
+                 "--rank", "4", "--out", str(out), "--", "--data", str(data_dir), "--batch-size", "2",
+                 "--block-size", "32", "--eval-tokens", "256", "--lr", "100", "--checkpoint-every", "2"]) == 0
+    said = capsys.readouterr().out
+    for name in ("none", "powersgd-rmax"):
+        assert f"[bench] {name}: ended diverged in " in said and "(training diverged: " in said, said
+        assert (out / name / "summary.md").is_file()
+    assert (out / "bench.md").is_file()
+
+
+@pytest.mark.slow
 def test_bench_pareto_on_loopback(tmp_path, data_dir):
     # the command as the README writes it, shortened: every static rank, torch's hook and EDGC
     out = tmp_path / "pareto"

@@ -94,6 +94,12 @@ def _final_val(run):
     return [r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "val"][-1]
 
 
+def _listed_files(stdout):
+    """The files the "run folder: RUN  (...)" line of `edgc train` lists."""
+    line = next(line for line in stdout.splitlines() if line.startswith("run folder: "))
+    return line.rsplit("(", 1)[1].rstrip(")").split(", ")
+
+
 @pytest.mark.slow
 def test_second_writer_is_refused_and_workers_die_with_a_killed_launcher(tmp_path, data_dir):
     run = tmp_path / "run"
@@ -170,23 +176,44 @@ def test_divergence_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path,
     assert ckpt["step"] == 1 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
     assert f"checkpoint.pt at step {ckpt['step']}" in line
     assert _last_step(run) == 4  # stopped there, not at step 40
+    # what it wrote is kept, with a summary, and the run folder line names only files it holds
+    assert (run / "summary.md").is_file()
+    assert _listed_files(proc.stdout) == ["summary.md", "metrics.jsonl", "plots", "checkpoint.pt"]
     # summaries and reports handle a run without a finite validation loss
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
     assert "not finite" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_a_loss_too_large_for_exp_still_gives_a_summary_and_a_report(tmp_path, data_dir):
-    # --lr 100: the loss stays finite, but exp() of it overflows (the perplexity)
+    # --lr 100: the loss stays finite, but exp() of it overflows (the perplexity); the
+    # gradient norm does not stay finite, so the run ends diverged (exit 1), its files kept
     run = tmp_path / "run"
     proc = _edgc(*_args(data_dir, run, "--steps", "3", "--lr", "100", "--eval-every", "1", "--method", "none"),
                  cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr and "Overflow" not in proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert "Overflow" not in proc.stderr and "training diverged" in _one_line(proc.stderr)
     val = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "val"]
     assert len(val) == 3 and val[0]["val_loss"] > 710 and val[0]["val_ppl"] is None  # (inf, logged as null)
     assert "| none | 3 |" in (run / "summary.md").read_text()
     proc = _edgc("report", str(run), "--out", str(tmp_path / "report"), cwd=tmp_path)
     assert proc.returncode == 0 and "| inf |" in (tmp_path / "report" / "report.md").read_text(), proc.stderr
+
+
+def test_a_short_run_that_ends_diverged_exits_1_and_lists_only_the_files_it_wrote(tmp_path, data_dir):
+    # too few steps for --max-nonfinite-steps (25) to stop it: it ran to its end with every
+    # checkpoint refused as not finite (it used to exit 0 and list a checkpoint.pt it never wrote)
+    run = tmp_path / "run"
+    proc = _edgc(*_args(data_dir, run, "--nproc", "1", "--steps", "6", "--lr", "100", "--checkpoint-every", "2",
+                        "--eval-every", "3", "--method", "none"), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    line = _one_line(proc.stderr)
+    assert line.startswith("edgc train: error: training diverged: ") and "Traceback" not in proc.stdout
+    last = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["step"] == 6 and last["grad_norm"] is None  # (not finite: logged as null)
+    assert f"at step 6, loss {last['loss']:.6g}" in line, line
+    assert "no checkpoint was written" in line and f"{run / 'summary.md'}" in line, line
+    assert not (run / CHECKPOINT_NAME).exists() and (run / "summary.md").is_file()
+    assert _listed_files(proc.stdout) == ["summary.md", "metrics.jsonl", "plots"]
 
 
 def test_a_corrupt_checkpoint_is_refused_on_load(tmp_path, data_dir):

@@ -11,12 +11,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from edgc import EDGCConfig, EDGCState
 from edgc.cli import _given_options, build_parser, main
 from edgc.config import field_types
 from edgc.policy.dac import DACConfig
-from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from edgc.train.config import TrainConfig, load_config_file
 
 # Each field kind's bad values; "{file}" is an existing file, "{file}/sub" a path under it.
@@ -175,6 +176,27 @@ def test_bad_values_of_the_run_flags_end_in_one_line(workdir, capsys):
             line = _one_line(err)
             assert code == 2 and "already holds a run" not in line, (flag, value, line)
     assert ({p.name for p in workdir.iterdir()}, _hashes(workdir / "run")) == before
+
+
+def test_resume_of_a_file_that_is_not_a_checkpoint_says_so(workdir, capsys):
+    # (it said "checkpoint ... is corrupt or truncated (BadZipFile: File is not a zip file)")
+    (workdir / "random.pt").write_bytes(os.urandom(4096))
+    (workdir / "empty.pt").write_bytes(b"")
+    (workdir / "notes.txt").write_text("a text file\n")
+    torch.save({"weights": torch.zeros(3)}, workdir / "foreign.pt")  # a torch file, not edgc's
+    for given, path in (("afile", "afile"), ("random.pt", "random.pt"), ("empty.pt", "empty.pt"),
+                        ("notes.txt", "notes.txt"), ("foreign.pt", "foreign.pt"),
+                        ("run", f"run/{CHECKPOINT_NAME}"), ("run/config.json", "run/config.json")):
+        for flag in (["--resume", given], ["--auto-resume", "--out", given]):
+            if flag[0] == "--auto-resume" and not (workdir / given).is_dir():
+                continue
+            code, err = _run(["train", *flag], capsys)
+            assert code == 2 and _one_line(err) == f"edgc train: error: {path!r} is not an edgc checkpoint", err
+    # a checkpoint cut short is still one (its first bytes are): corrupt or truncated
+    save_checkpoint(workdir / "real.pt", {"step": 1, "w": torch.randn(1000)})
+    (workdir / "cut.pt").write_bytes((workdir / "real.pt").read_bytes()[:2000])
+    code, err = _run(["train", "--resume", "cut.pt"], capsys)
+    assert code == 2 and "edgc train: error: checkpoint 'cut.pt' is corrupt or truncated" in _one_line(err)
 
 
 def test_allowed_pairs_name_real_flags_and_listed_values():
@@ -375,7 +397,7 @@ def _slow(args, message):
     _slow(["--config", "run"], "edgc train: error: config file 'run' is a folder, not a file"),
     # a file without a suffix is the checkpoint named, not a run folder's (it said "no
     # checkpoint at 'afile/checkpoint.pt'")
-    _slow(["--resume", "afile"], "edgc train: error: checkpoint 'afile' is corrupt or truncated (BadZipFile"),
+    _slow(["--resume", "afile"], "edgc train: error: 'afile' is not an edgc checkpoint"),
     _slow(["--config", "latin1.toml"], "edgc train: error: config file 'latin1.toml' is not UTF-8 text"),
 ])
 def test_python_m_edgc_train_gives_one_line(args, message, workdir):

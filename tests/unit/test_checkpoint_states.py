@@ -70,6 +70,10 @@ def test_a_damaged_missing_or_foreign_file_gives_a_clear_error(tmp_path):
     torch.save({"weights": torch.zeros(3)}, tmp_path / FILE_NAME)
     with pytest.raises(ValueError, match="not an EDGC state file"):
         read_states(tmp_path)
+    for other in (b"a text file\n", bytes(range(256)) * 8, b""):  # not even a torch file (it said BadZipFile)
+        (tmp_path / FILE_NAME).write_bytes(other)
+        with pytest.raises(ValueError, match="not an EDGC state file"):
+            read_states(tmp_path)
     save_states(EDGCState(None, CONFIG), tmp_path)  # (no group: a world of one)
     raw = bytearray((tmp_path / FILE_NAME).read_bytes())
     at = raw.find(b"edgc-replica-states")

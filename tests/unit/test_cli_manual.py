@@ -1,11 +1,14 @@
-"""`edgc train --help` as a manual, the layout flags, the summary table in a terminal, the
-TensorBoard scalars of a metrics record, and `log_stats` for a loop of one's own."""
+"""`edgc train --help` as a manual, and every other command's help to its standard; the
+layout flags, the summary table in a terminal, the TensorBoard scalars of a metrics record,
+and `log_stats` for a loop of one's own."""
 
+import argparse
 import dataclasses
 import io
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +18,7 @@ from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook, log_stats
-from edgc.cli import main
+from edgc.cli import _as_typed, _shown, main
 from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.config import field_types
 from edgc.train.config import TrainConfig
@@ -55,6 +58,20 @@ def test_train_help_reads_as_a_manual():
     assert "edgc train --pp 2 --dp 2 4 workers: 2 pipeline stages x 2 replicas" in text
 
 
+def test_train_help_writes_null_true_false_as_the_command_line_does():
+    # the fields' docstrings say None, True and False, as Python does; a flag takes null,
+    # true and false, and the help says so (it said "None: the preset's")
+    text = _help()
+    for word in ("None", "True", "False"):
+        assert not re.search(rf"\b{word}\b", text), re.search(rf".{{40}}\b{word}\b.{{40}}", text).group(0)
+    assert "--block-size INT|null Context length; null: the preset's. (default: null)" in text
+    assert "--min-lr FLOAT|null Floor of the cosine decay; null: lr / 10." in text
+    assert "(null: all of it, about 9 MB" in text and "false keeps torch's placement" in text
+    assert "--edgc-max-rank INT|null" in text and "null: calibrate it" in text
+    # only whole words: a name that holds one (NoneType, Falsey) would be left as written
+    assert _as_typed("None: x; NoneType, Falsey, not None.") == "null: x; NoneType, Falsey, not null."
+
+
 def test_every_flag_has_its_default_and_every_field_one_group():
     from edgc.cli import build_parser
 
@@ -65,6 +82,43 @@ def test_every_flag_has_its_default_and_every_field_one_group():
     grouped = [name for names in TrainConfig.GROUPS.values() for name in names]
     assert len(grouped) == len(set(grouped))
     assert set(grouped) == {n for n, t in field_types(TrainConfig).items() if t.kind is not dict}
+
+
+# every command but train (whose flags are generated from its config's fields, above), by its words
+OTHER_COMMANDS = [("bench", "comm"), ("bench", "train"), ("bench", "pareto"), ("bench", "soak"), ("simulate",),
+                  ("prepare",), ("report",)]
+
+
+def _parser(words: tuple[str, ...]) -> argparse.ArgumentParser:
+    from edgc.cli import build_parser
+
+    parser = build_parser()
+    for word in words:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return parser
+
+
+@pytest.mark.parametrize("words", OTHER_COMMANDS, ids=" ".join)
+def test_every_option_of_the_other_commands_is_explained_with_its_default(words, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # (one line per option: no word is broken at a hyphen)
+    with pytest.raises(SystemExit) as exit_:
+        main([*words, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    parser = _parser(words)
+    assert parser.description and parser.description.split()[0] in text
+    if words[0] in ("bench", "simulate"):
+        assert "examples: edgc " + " ".join(words) in text
+    shown = [a for a in parser._actions if a.dest != "help" and a.help != argparse.SUPPRESS]
+    assert len(shown) >= 2
+    for action in shown:
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and action.help.strip(), f"{name} has no help"
+        if action.nargs == 0 or action.default is None:  # (a flag without a value; a default in words)
+            continue
+        assert f"(default: {_shown(action.default)}" in text, f"{name}: its default {action.default!r} is not shown"
+    for word in ("None", "True", "False"):
+        assert not re.search(rf"\(default: {word}\b", text), word
 
 
 def test_scaled_edgc_defaults_are_the_ones_the_run_sets():

@@ -40,9 +40,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from edgc.bench.cluster import run_on_cluster
 from edgc.bench.netns import Cluster, NetnsUnavailable
-from edgc.bench.train import time_to_target
+from edgc.bench.train import time_to_target, train_on_cluster
 from edgc.config import POLICIES
 from edgc.models import PRESETS
 from edgc.train.config import TrainConfig
@@ -174,12 +173,32 @@ def _finished(run_dir: Path, args_list: list[str], steps: int) -> bool:
     return any(r.get("kind") == "train" and r["step"] == steps for r in records)
 
 
+_DESCRIPTION = """\
+Train, on the same data and seed, one after the other: none (plain all-reduce), our \
+PowerSGD at every static rank r_max/8 .. r_max, torch's PowerSGD hook at r_max, and each \
+dynamic policy of --policies; then plot validation loss against bytes and against time, \
+the static ranks joined as the frontier, and say in pareto.md whether each dynamic policy \
+lies beyond, on or behind it (the margin: the losses' combined standard error). On \
+loopback unless --bandwidth asks for an emulated cluster. Finished runs in --out are \
+reused, so a stopped sweep continues where it was."""
+
+_EXAMPLES = """\
+examples:
+  edgc bench pareto --steps 1000                                     the CQM policy against static ranks
+  edgc bench pareto --policies "cqm;spectral;schedule=0:32,500:16"   three dynamic policies
+  edgc bench pareto --jobs 2 --skip powersgd-r4,torch-powersgd-r32   2 runs at once, 2 runs left out
+  edgc bench pareto --data data/mine --bandwidth 200mbit -- --lr 3e-4
+                                                                     emulated links; after --: edgc train options"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pareto", help="every static rank against the dynamic policies: loss vs bytes and time")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--data", default=None, help="a folder from `edgc prepare` (default: the built-in corpus)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--nproc", type=int, default=2)
+    p = sub.add_parser("pareto", help="every static rank against the dynamic policies: loss vs bytes and time",
+                       description=_DESCRIPTION, epilog=_EXAMPLES)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset of every run")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="a folder from `edgc prepare` (default: the built-in corpus)")
+    p.add_argument("--steps", type=int, default=1000, help="steps of every run")
+    p.add_argument("--nproc", type=int, default=2, help="workers of every run")
     p.add_argument("--rank", type=int, default=32, help="r_max; static ranks r_max/8 .. r_max")
     p.add_argument("--policies", default="cqm",
                    help="dynamic policies, separated by ';' or ',' (EDGCConfig.policy); a rank schedule as "
@@ -190,11 +209,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at once (loopback only): bytes and loss are unchanged, but the runs share "
                         "the machine, so wall times are not comparable; 1 for the time plot")
-    p.add_argument("--bandwidth", default=None,
-                   help="per-link rate on an emulated cluster (needs root; tc syntax, e.g. 200mbit); "
-                        "default: loopback, no limit (bytes and loss; wall time is not a network's)")
-    p.add_argument("--out", default=None, help="output folder (default runs/pareto-<time>)")
-    p.add_argument("--timeout", type=float, default=6 * 3600, help="per run, seconds")
+    p.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="per-link rate on an emulated cluster (needs root; tc syntax, e.g. 200mbit) (default: "
+                        "loopback, no limit: bytes and loss; wall time is not a network's)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/pareto-<time>)")
+    p.add_argument("--timeout", type=float, default=6 * 3600,
+                   help="seconds each run may take before its workers are killed")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options for every run")
 
 
@@ -237,9 +257,10 @@ def run(args: argparse.Namespace) -> int:
         def train(i: int, name: str, run_dir: Path, train_args: list[str]) -> None:
             print(f"[pareto] {i}/{len(runs)} {name}: {args.steps} steps on {args.nproc} workers ...", flush=True)
             t0 = time.perf_counter()
-            run_on_cluster(cluster, train_args, timeout=args.timeout)
+            diverged = train_on_cluster(cluster, train_args, run_dir, args.steps, timeout=args.timeout)
             (run_dir / "pareto-args.json").write_text(json.dumps(train_args))
-            print(f"[pareto] {i}/{len(runs)} {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+            print(f"[pareto] {i}/{len(runs)} {name}: {'ended diverged' if diverged else 'done'} in "
+                  f"{time.perf_counter() - t0:.0f}s" + (f" ({diverged})" if diverged else ""), flush=True)
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # (each run is its own processes)
             for done in [pool.submit(train, *job) for job in todo]:

@@ -22,12 +22,13 @@ from edgc.bench.cluster import run_on_cluster
 from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.models import PRESETS
 from edgc.train.config import TrainConfig
+from edgc.train.launch import WorkerError
 from edgc.train.report import report
 from edgc.train.summary import load_run, stage_table, summarize
 from edgc.train.summary import table as markdown_table
 from edgc.train.trainer import ensure_data
 
-__all__ = ["add_parser", "run", "time_to_target"]
+__all__ = ["add_parser", "run", "time_to_target", "train_on_cluster"]
 
 MODES = {"quick": 100, "full": 600}
 
@@ -61,6 +62,26 @@ def _method_args(spec: str, rank: int) -> tuple[str, list[str]]:
     return spec, table[base] + (["--edgc-sync-mode", "whole-step"] if base != spec else [])
 
 
+def train_on_cluster(cluster: Cluster, train_args: list[str], run_dir: Path, steps: int, *,
+                     timeout: float) -> str | None:
+    """Run `edgc train TRAIN_ARGS` (writing `run_dir`, `steps` steps) on the cluster's
+    workers; returns None, or the line saying why the run ended diverged when it ran to
+    its last step and wrote its summary all the same (`edgc train` exits 1 for it): a
+    comparison reports such a run with its loss instead of stopping. Any other failure,
+    a run stopped early by --max-nonfinite-steps included, raises WorkerError."""
+    try:
+        run_on_cluster(cluster, train_args, timeout=timeout)
+        return None
+    except WorkerError as exc:
+        said = [line for line in str(exc).splitlines() if "error: training diverged" in line]
+        if not said or not (run_dir / "summary.md").is_file():
+            raise
+        _, records = load_run(run_dir)
+        if max((r["step"] for r in records if r.get("kind") == "train"), default=0) != steps:
+            raise
+        return said[-1].split("error: ", 1)[1]
+
+
 def time_to_target(records: list[dict], target: float) -> float:
     """Training seconds (summed step times, evaluation excluded) until the first validation
     loss at or below `target`; inf if never reached."""
@@ -75,14 +96,35 @@ def time_to_target(records: list[dict], target: float) -> float:
     return math.inf
 
 
+_DESCRIPTION = """\
+Train the same run once per method, one method after the other, each with `edgc train` on \
+the same seed, data, model and steps, on an emulated cluster: one network namespace per \
+worker, every link limited with tc (needs root and iproute2; --loopback runs on 127.0.0.1 \
+without limits). Writes each run's folder and bench.md in --out: step time, tokens/s, time \
+in gradient communication, bytes, final validation loss, and the training time each method \
+needs to reach a target validation loss."""
+
+_EXAMPLES = """\
+examples:
+  edgc bench train --nproc 4 --bandwidth 200mbit --mode quick       the default methods, 100 steps
+  edgc bench train --loopback --nproc 2 --steps 20                  a quick look, no namespaces
+  edgc bench train --methods compute-only,powersgd-rmax,powersgd-rmax-wholestep
+                                                                    exposed communication, per sync mode
+  edgc bench train --methods edgc,edgc-uniform -- --pp 2 --dp 2     DAC against uniform stage ranks
+                                                                    (after --: edgc train options)"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="end-to-end training per method on an emulated cluster")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--bandwidth", default="200mbit", help="per-link rate, each direction (tc syntax)")
+    p = sub.add_parser("train", help="end-to-end training per method on an emulated cluster",
+                       description=_DESCRIPTION, epilog=_EXAMPLES)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset of every run")
+    p.add_argument("--nproc", type=int, default=4, help="workers, one per emulated node")
+    p.add_argument("--bandwidth", default="200mbit", metavar="RATE",
+                   help="per-link rate, each direction (tc syntax: 200mbit, 1gbit)")
     p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
-    p.add_argument("--mode", choices=sorted(MODES), default="quick", help="quick: 100 steps; full: 600")
-    p.add_argument("--steps", type=int, default=None, help="override the mode's step count")
+    p.add_argument("--mode", choices=sorted(MODES), default="quick",
+                   help=f"run length: {', '.join(f'{m} {n} steps' for m, n in MODES.items())}")
+    p.add_argument("--steps", type=int, default=None, help="steps of every run (default: the --mode's)")
     p.add_argument("--methods", default="none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc",
                    help="comma-separated: none, compute-only (no sync: the exposed-communication baseline), "
                         "torch-powersgd, powersgd-rmax, powersgd-rmin, edgc, edgc-uniform, edgc-dac-cap, "
@@ -90,9 +132,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
     p.add_argument("--target-loss", type=float, default=None,
                    help="validation loss for time-to-target (default: the worst final loss of all methods)")
-    p.add_argument("--out", default=None, help="output folder (default runs/bench-<time>)")
-    p.add_argument("--timeout", type=float, default=3 * 3600, help="per method, seconds")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/bench-<time>)")
+    p.add_argument("--timeout", type=float, default=3 * 3600,
+                   help="seconds each method's run may take before its workers are killed")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options for every run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,10 +157,12 @@ def run(args: argparse.Namespace) -> int:
             run_dir = out / name
             print(f"[bench] {name}: {steps} steps on {args.nproc} workers ...", flush=True)
             t0 = time.perf_counter()
-            run_on_cluster(cluster, ["train", "--preset", args.preset, "--steps", str(steps), "--data", str(data),
-                                     "--out", str(run_dir), "--no-progress", *method_args, *extra],
-                           timeout=args.timeout)
-            print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+            diverged = train_on_cluster(
+                cluster, ["train", "--preset", args.preset, "--steps", str(steps), "--data", str(data),
+                          "--out", str(run_dir), "--no-progress", *method_args, *extra],
+                run_dir, steps, timeout=args.timeout)
+            print(f"[bench] {name}: {'ended diverged' if diverged else 'done'} in {time.perf_counter() - t0:.0f}s"
+                  + (f" ({diverged})" if diverged else ""), flush=True)
             runs.append(run_dir)
     # the report's ratios are against its first run: one that syncs, not compute-only
     ordered = sorted(runs, key=lambda d: d.name == "compute-only")

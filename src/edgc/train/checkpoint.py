@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from edgc.checkpoint import verify_checksums
+from edgc.checkpoint import is_torch_archive, verify_checksums
 from edgc.data.atomic import atomic_write
 
 FORMAT = "edgc-checkpoint"
@@ -59,13 +59,18 @@ def kept_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint; raises FileNotFoundError or ValueError with what is wrong."""
+    """Read a checkpoint; raises FileNotFoundError or ValueError with what is wrong: "is not
+    an edgc checkpoint" (another file, or another torch file), "is corrupt or truncated" or
+    "fails its checksum" (a damaged one)."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}; a run folder holds {CHECKPOINT_NAME} once "
                                 f"it has reached its first checkpoint step")
+    not_ours = f"{str(path)!r} is not an edgc checkpoint"
+    if not is_torch_archive(path):  # (a text file, random bytes: not a damaged checkpoint)
+        raise ValueError(not_ours)
     try:
         verify_checksums(path)
     except ValueError as exc:
@@ -79,7 +84,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc}); "
                          f"it cannot be resumed") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{str(path)!r} is not an edgc training checkpoint")
+        raise ValueError(not_ours)
     if data.get("version") != VERSION:
         raise ValueError(f"checkpoint {str(path)!r} has version {data.get('version')}, this edgc reads {VERSION}")
     return data

@@ -38,30 +38,65 @@ def all_finite(tensors: Any) -> bool:
 class DivergenceGuard:
     """Watches each step's loss and gradient norm (the same on every rank: both are
     all-reduced), so that every rank stops alike when they stay non-finite for `limit`
-    steps in a row, and so that no checkpoint is written from a non-finite model.
+    steps in a row, so that no checkpoint is written from a non-finite model, and so that
+    a run that reaches its end diverged, too short for `limit`, says so (`verdict`).
 
     A few non-finite steps in a row are normal with fp16 (the GradScaler skips them while
-    it lowers its scale); `limit` of them are not.
+    it lowers its scale); `limit` of them are not. So with `loss_scaled` (a GradScaler at
+    work), a run whose last steps had a finite loss and a non-finite gradient norm has not
+    diverged by its end: the scaler skipped them, and the weights are those of the last
+    finite step.
     """
 
-    def __init__(self, limit: int, run_dir: str, checkpoint_step: int | None) -> None:
+    def __init__(self, limit: int, run_dir: str, checkpoint_step: int | None, *, loss_scaled: bool = False) -> None:
         self.limit = limit
+        self.loss_scaled = loss_scaled
         self.run_dir = run_dir
         self.checkpoint_step = checkpoint_step  # the last finite checkpoint's step (None: none yet)
         self.streak = 0
         self.finite = True  # the last step's loss and gradient norm
-        self.refused = False  # whether the last checkpoint step wrote none
+        self.last: tuple[int, float, float] | None = None  # the last step: (step, loss, gradient norm)
+        self.refused: str | None = None  # why the last checkpoint step wrote none (None: it wrote one)
 
     def observe(self, step: int, loss: float, grad_norm: float) -> None:
         """Record a step; raise TrainingDiverged after `limit` non-finite steps in a row."""
         self.finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.streak = 0 if self.finite else self.streak + 1
+        self.last = (step, loss, grad_norm)
         if self.streak >= self.limit:
-            where = (f"the last good checkpoint is {self.run_dir}/checkpoint.pt at step {self.checkpoint_step}"
-                     if self.checkpoint_step is not None else "no checkpoint was written")
             raise TrainingDiverged(
                 f"training diverged: the loss or gradient norm was not finite for {self.streak} steps in a row "
-                f"(steps {step - self.streak + 1}-{step}; updates were skipped); {where}. Try a lower --lr")
+                f"(steps {step - self.streak + 1}-{step}; updates were skipped); {self._kept()}. Try a lower --lr")
+
+    def verdict(self, val_loss: float | None) -> str | None:
+        """Why the run that ended at the last step observed has diverged, or None if it has
+        not: the checkpoint of its last step (every run ends with one) was refused as not
+        finite, or its validation loss there (`val_loss`; None: not evaluated) is not
+        finite. One line naming the step, its loss and what is kept. Call it on rank 0,
+        which alone checks the checkpoints (`may_save`)."""
+        if self.last is None:
+            return None
+        step, loss, norm = self.last
+        scaler_skip = self.loss_scaled and math.isfinite(loss)
+        if self.refused and not self.finite and not scaler_skip:
+            what = (f"the loss or gradient norm was not finite for the last {self.streak} steps of the run "
+                    f"({step - self.streak + 1}-{step}; updates were skipped)" if self.streak > 1 else
+                    "the loss or gradient norm was not finite at the last step of the run (its update was skipped)")
+        elif self.refused and self.finite:
+            what = "the model's weights were not finite after the last step of the run"
+        elif val_loss is not None and not math.isfinite(val_loss):
+            what = "the validation loss was not finite at the last step of the run"
+        else:
+            return None
+        val = f", validation loss {val_loss:.6g}" if val_loss is not None else ""
+        return (f"training diverged: {what}: at step {step}, loss {loss:.6g}, gradient norm {norm:.6g}{val}; "
+                f"{self._kept()}")
+
+    def _kept(self) -> str:
+        """The last finite checkpoint, in words."""
+        if self.checkpoint_step is None:
+            return "no checkpoint was written"
+        return f"the last good checkpoint is {self.run_dir}/checkpoint.pt at step {self.checkpoint_step}"
 
     def may_save(self, step: int, weights: Any) -> bool:
         """Whether a checkpoint may be written now (last step finite and `weights` all
@@ -70,14 +105,14 @@ class DivergenceGuard:
                else None if all_finite(weights) else "the model's weights are not finite")
         if why is None:
             self.checkpoint_step = step
-            self.refused = False
+            self.refused = None
             return True
         if not self.refused:  # (once per run of refusals: a diverged run would repeat it at every checkpoint step)
             kept = (f"the last good checkpoint, step {self.checkpoint_step}, is kept"
                     if self.checkpoint_step is not None else "no checkpoint was written yet")
             logger.warning("step %d: no checkpoint written, %s (%s; so for every checkpoint step until one is "
                            "finite again)", step, why, kept)
-        self.refused = True
+        self.refused = why
         return False
 
 

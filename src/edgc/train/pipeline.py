@@ -234,7 +234,8 @@ _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompr
 
 def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                           resume: str | None) -> dict[str, Any]:
-    """One rank of pipeline × data-parallel training. Rank 0 writes metrics and checkpoints."""
+    """One rank of pipeline × data-parallel training. Rank 0 writes metrics and checkpoints,
+    and its result's "diverged" is its DivergenceGuard.verdict (see train_worker)."""
     cfg = TrainConfig.from_dict(cfg_dict)
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if use_cuda else torch.device("cpu")
@@ -282,6 +283,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     prev = hook_state.stats()
     skipped = 0
     guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None)
+    val = None
     try:
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
         for step in range(start + 1, last + 1):
@@ -353,7 +355,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     alignment = getattr(hook_state, "alignment", None)
     return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped,
             "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
-            "decisions": alignment.decisions if alignment is not None else []}
+            "decisions": alignment.decisions if alignment is not None else [],
+            "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
 
 
 def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout, tokens_per_step: int,

@@ -47,7 +47,7 @@ from edgc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from edgc.train.common import DivergenceGuard, lr_at, model_config, param_groups, restore_rank
+from edgc.train.common import DivergenceGuard, TrainingDiverged, lr_at, model_config, param_groups, restore_rank
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
@@ -59,8 +59,8 @@ from edgc.train.summary import write_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_MAY_CHANGE", "TrainingFailed", "lr_at", "prepare_run", "resume_config", "resume_target", "train",
-           "train_distributed", "train_worker", "write_meta"]
+__all__ = ["RESUME_MAY_CHANGE", "RunDiverged", "TrainingFailed", "lr_at", "prepare_run", "resume_config",
+           "resume_target", "train", "train_distributed", "train_worker", "write_meta"]
 
 
 def ensure_data(cfg: TrainConfig) -> Path:
@@ -131,8 +131,12 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     """The settings to continue a run with: those its checkpoint was made with, plus the
     `given` options (TrainConfig fields, "edgc" and "dac" dicts) that RESUME_MAY_CHANGE
     lists. Any other given option that differs is refused with a ValueError naming it;
-    changed ones are logged."""
+    changed ones are logged. Raises RunFolderBusy when a live run holds the checkpoint's
+    folder, with or without a checkpoint yet."""
     checkpoint = Path(checkpoint)
+    # (before the checkpoint is read: a live run that has not reached its first checkpoint
+    # step has none, and "no checkpoint" would hide that it is running)
+    RunLock.check_free(checkpoint.parent)
     saved = dict(load_checkpoint(checkpoint)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
@@ -177,7 +181,9 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
     locked for the whole run. When a worker dies, the job restarts from the last
     checkpoint up to `cfg.max_restarts` times; otherwise, or once they are spent, it
     raises TrainingFailed with one line (which worker, how, at which step, how to resume);
-    the workers' tracebacks go to errors.log in the run folder.
+    the workers' tracebacks go to errors.log in the run folder. A run that diverges,
+    stopped by `cfg.max_nonfinite_steps` or ending with its last step or validation loss
+    not finite (DivergenceGuard.verdict), raises RunDiverged once its summary is written.
     """
     cfg.validate()  # (before the lock creates the folder)
     workers = cfg.workers()
@@ -198,11 +204,14 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
         restarts = 0
         while True:
             try:
-                run_local(train_worker, workers, cfg.to_dict(), str(data), str(ckpt) if ckpt else None,
-                          backend=cfg.backend(workers), log_path=out / "errors.log", on_start=lock.note)
+                results = run_local(train_worker, workers, cfg.to_dict(), str(data), str(ckpt) if ckpt else None,
+                                    backend=cfg.backend(workers), log_path=out / "errors.log", on_start=lock.note)
                 break
             except WorkerError as exc:
                 saved = _checkpoint_step(out)
+                if exc.cause == "TrainingDiverged":  # (stopped by --max-nonfinite-steps)
+                    write_summary(out)
+                    raise RunDiverged(_failure_line(exc, out, saved), out) from None
                 if exc.cause in _NOT_RESTARTED or exc.how == "timeout" or restarts >= cfg.max_restarts:
                     raise TrainingFailed(_failure_line(exc, out, saved)) from None
                 restarts += 1
@@ -213,6 +222,8 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
                 ckpt = out / CHECKPOINT_NAME if saved is not None else None
                 clean_leftovers(out)
         write_summary(out)
+        if results[0]["diverged"]:  # (rank 0's verdict: it alone checks the checkpoints)
+            raise _run_diverged(results[0]["diverged"], out)
     return out
 
 
@@ -222,6 +233,22 @@ _NOT_RESTARTED = ("TrainingDiverged", "ValueError", "FileNotFoundError", "KeyErr
 
 class TrainingFailed(RuntimeError):
     """A training job failed; the message is one line, the tracebacks are in errors.log."""
+
+
+class RunDiverged(TrainingFailed):
+    """A run diverged: stopped by --max-nonfinite-steps, or it reached its end with a
+    non-finite last step or validation loss. What it wrote is kept: its metrics, the
+    summary and plots of its steps (in `run`, the run folder), and the last finite
+    checkpoint if any."""
+
+    def __init__(self, message: str, run: Path) -> None:
+        super().__init__(message)
+        self.run = run
+
+
+def _run_diverged(verdict: str, out: Path) -> RunDiverged:
+    """The error of a run that reached its end diverged (DivergenceGuard.verdict)."""
+    return RunDiverged(f"{verdict}; kept: its metrics and {out / 'summary.md'}. Try a lower --lr", out)
 
 
 def _checkpoint_step(run_dir: Path) -> int | None:
@@ -247,7 +274,8 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
     """Train inside a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set by torchrun).
 
     Rank 0 holds the run folder's lock. Every worker dies with the torchrun agent that
-    started it, however the agent ends.
+    started it, however the agent ends. A run that diverges raises RunDiverged on rank 0,
+    once its summary is written, as `train` does.
     """
     die_with_parent()
     # (without a visible GPU, validation below says why --device cuda cannot run)
@@ -278,13 +306,23 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
             ensure_data(cfg)
         dist.barrier()
         data = ensure_data(cfg)
-        train_worker(rank, world, cfg.to_dict(), str(data), str(ckpt) if ckpt else None)
+        stopped, verdict = None, None
+        try:
+            verdict = train_worker(rank, world, cfg.to_dict(), str(data), str(ckpt) if ckpt else None)["diverged"]
+        except TrainingDiverged as exc:  # (every rank alike, at the same step: the guard sees all-reduced values)
+            stopped = exc
         if rank == 0:
             write_summary(Path(cfg.out))
         dist.barrier()  # every rank leaves together
     finally:
         lock.release()
         end_process_group()
+    # rank 0 says it and fails the job; the others leave quietly (their guards do not
+    # follow the checkpoints: "no checkpoint was written" would be theirs to say)
+    if stopped is not None and rank == 0:  # (by --max-nonfinite-steps)
+        raise RunDiverged(str(stopped), Path(cfg.out)) from None
+    if verdict:  # (rank 0's alone)
+        raise _run_diverged(verdict, Path(cfg.out))
     return Path(cfg.out)
 
 
@@ -364,7 +402,9 @@ class Precision:
 
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
     """One replica's training loop from the start, or from the checkpoint file `resume`.
-    Rank 0 writes metrics and checkpoints."""
+    Rank 0 writes metrics and checkpoints. Returns {"skipped", "stats", "diverged"}:
+    "diverged" is rank 0's DivergenceGuard.verdict on how the run ended (None: finite, and
+    None on the other ranks); raises TrainingDiverged when --max-nonfinite-steps stops it."""
     cfg = TrainConfig.from_dict(cfg_dict)
     device = worker_device(cfg.device)
     use_cuda = device.type == "cuda"
@@ -404,8 +444,10 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
     prev = hook_state.stats()
     skipped = 0
-    guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None)
+    guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None,
+                            loss_scaled=precision.scaler.is_enabled())
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    val = None
     try:
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
         for step in range(start + 1, last + 1):
@@ -467,7 +509,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         display.close()
         if writer is not None:
             writer.close()
-    return {"skipped": skipped, "stats": hook_state.stats()}
+    return {"skipped": skipped, "stats": hook_state.stats(),
+            "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
 
 
 def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision, guard) -> None:

@@ -20,6 +20,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["add_parser", "cost_source", "run"]
 
 
+_EXAMPLES = """\
+examples:
+  edgc simulate --cluster paper-2.5b                                 the paper's cluster, its GPU's roofline
+  edgc simulate --cluster paper-12.1b --gpu H100-SXM5                costs from another GPU's roofline
+  edgc simulate --cluster paper-2.5b --device cuda --save-profile p.json
+                                                                     costs timed on this GPU, and saved
+  edgc simulate --cluster my-cluster.toml --profile p.json           a cluster of your own, saved costs"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the `simulate` subcommand to `sub` (run it with `run`)."""
     p = sub.add_parser(
@@ -27,8 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Project none, static PowerSGD and EDGC onto a cluster with an α–β network model and the "
                     "model's real gradient shapes. Compression costs come from a roofline model of the "
                     "cluster's GPU (the default), a saved profile (--profile), or timing on a local device "
-                    "(--device).")
-    p.add_argument("--cluster", default="paper-2.5b",
+                    "(--device).",
+        epilog=_EXAMPLES)
+    p.add_argument("--cluster", default="paper-2.5b", metavar="NAME|FILE",
                    help="a bundled cluster (paper-2.5b, paper-12.1b) or a TOML file of ClusterSpec fields")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model preset (default: the cluster's)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the cluster's)")
@@ -42,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help='EDGC stage-0 rank as "FRACTION:RANK,..." knots, e.g. "0.1:32,1.0:8" '
                             "(default: warm-up, then r_max falling linearly to r_min)")
     costs = p.add_mutually_exclusive_group()
-    costs.add_argument("--gpu", default=None,
+    costs.add_argument("--gpu", default=None, metavar="NAME",
                        help=f"cost compression with the roofline model of this GPU instead of the cluster's "
                             f"({', '.join(GPUS)})")
     costs.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -54,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-profile", metavar="FILE",
                    help="write the (unscaled) cost profile, with where its numbers came from, as JSON")
     p.add_argument("--compute-scale", type=float, default=1.0,
-                   help="multiply compression/entropy times by this (default 1: as modelled or measured)")
+                   help="multiply compression/entropy times by this (default: 1.0, as modelled or measured)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per shape and rank (--device only)")
 
 
