@@ -13,7 +13,8 @@ DYNAMIC = dict(
 )
 
 
-@pytest.mark.parametrize("world,mode", [(2, "pipelined"), (4, "pipelined"), (4, "whole-step")])
+@pytest.mark.parametrize("world,mode", [pytest.param(2, "pipelined", marks=pytest.mark.smoke), (4, "pipelined"),
+                                        (4, "whole-step")])
 def test_replicas_bit_identical_while_rank_changes(world, mode):
     results = run_workers(workers.train_and_report, world, dict(DYNAMIC, sync_mode=mode), 60, timeout=240)
     first = results[0]

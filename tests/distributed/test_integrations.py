@@ -29,7 +29,7 @@ def _check_resumed_exactly(results: list[dict]) -> None:
         assert_same(exact_part(r["resumed_state"]), exact_part(r["state"]), "resumed state")
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_lightning_callback_trains_checkpoints_and_resumes(tmp_path):
     results = run_workers(lightning_run, 2, str(tmp_path), timeout=300)
     _check_compressed_and_identical(results, steps=6)

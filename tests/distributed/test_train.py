@@ -19,7 +19,7 @@ def _args(data_dir, out, *extra):
             "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
-@pytest.mark.parametrize("method", ["none", "powersgd", "torch-powersgd", "edgc"])
+@pytest.mark.parametrize("method", ["none", "powersgd", "torch-powersgd", pytest.param("edgc", marks=pytest.mark.smoke)])
 def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
     out = tmp_path / method
     assert main(_args(data_dir, out, "--method", method, "--steps", "8", "--eval-every", "4",
@@ -48,6 +48,7 @@ def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
         assert train[-1]["rank"] > 0 and train[-1]["phase"] == "compress"
 
 
+@pytest.mark.smoke
 def test_resume_continues_exactly(tmp_path, data_dir):
     common = ["--method", "edgc", "--steps", "16", "--eval-every", "4", "--checkpoint-every", "8",
               "--edgc-warmup-steps", "3", "--edgc-window", "2", "--edgc-iteration-sample-rate", "1.0",
