@@ -1,0 +1,116 @@
+"""The "critical" rank policy as pure maths: Accordion's rule and the gradient noise scale,
+in float64 against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from edgc.policy.critical import CriticalRule, critical_rank, low_rank, lr_dropped, noise_scale
+
+NAN, INF = float("nan"), float("inf")
+
+
+# ---------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("n_new, rank, rho", [
+    (1.0, 32, 0.5),  # rho exactly at the threshold: critical
+    (3.0, 32, 0.5),  # the same change upwards
+    (1.25, 16, 0.375),  # below
+    (2.75, 16, 0.375),
+    (0.5, 32, 0.75),  # above
+    (2.0, 16, 0.0),  # no change at all
+])
+def test_rho_against_the_threshold(n_new, rank, rho):
+    got = critical_rank(2.0, n_new, False, r_hi=32, r_lo=16, threshold=0.5)
+    assert got == (rank, rho)
+
+
+def test_just_below_the_threshold_is_low_rank():
+    rank, rho = critical_rank(2.0, 1.0 + 2**-40, False, r_hi=32, r_lo=16, threshold=0.5)
+    assert rank == 16 and rho == 0.5 - 2**-41
+
+
+def test_a_learning_rate_drop_forces_the_high_rank_and_rho_is_still_reported():
+    assert critical_rank(2.0, 2.0, True, r_hi=32, r_lo=16, threshold=0.5) == (32, 0.0)
+
+
+@pytest.mark.parametrize("n_old, n_new", [
+    (None, 1.0),  # the first window: nothing to compare with
+    (0.0, 1.0),  # a zero norm: rho undefined
+    (NAN, 1.0), (INF, 1.0), (-1.0, 1.0),
+    (2.0, NAN), (2.0, INF),
+])
+def test_undefined_rho_keeps_the_high_rank(n_old, n_new):
+    rank, rho = critical_rank(n_old, n_new, False, r_hi=32, r_lo=16, threshold=0.5)
+    assert rank == 32 and math.isnan(rho)
+
+
+@pytest.mark.parametrize("configured, r_min, r_max, multiple, expected", [
+    (None, 8, 32, 2, 16),  # r_max // 2
+    (None, 1, 10, 4, 4),  # 5 rounded to a multiple of 4
+    (None, 1, 1, 2, 1),  # at least 1, and never above r_max
+    (12, 8, 32, 2, 12),
+    (12, 8, 32, 8, 16),  # 12 / 8 = 1.5 rounds to 2 (Python's round: to even)
+    (4, 8, 32, 2, 8),  # never below r_min
+    (40, 8, 32, 2, 32),  # never above r_max (a calibrated one below the configured rank)
+])
+def test_low_rank(configured, r_min, r_max, multiple, expected):
+    assert low_rank(configured, r_min, r_max, multiple) == expected
+
+
+def test_learning_rate_drop_is_strictly_below_the_factor():
+    assert lr_dropped(0.5, 1.0, 0.5) is False  # exactly half: not a drop
+    assert lr_dropped(0.5 - 2**-53, 1.0, 0.5) is True
+    assert lr_dropped(None, 1.0, 0.5) is False and lr_dropped(0.1, None, 0.5) is False
+
+
+def test_rule_across_windows_with_learning_rates_and_a_nonfinite_window():
+    rule = CriticalRule(threshold=0.5, lr_drop_factor=0.5)
+    assert rule.lr_dropped() is False  # no rate given yet
+    rule.observe_lr(1e-3)
+    assert rule.close_window(4.0, rule.lr_dropped(), 32, 16) == 32  # the first window
+    assert (math.isnan(rule.rho), rule.norm, rule.lr_reference, rule.lr_drop) == (True, 4.0, 1e-3, False)
+    # no call in this window: the rate in force (1e-3) carries over, no drop
+    assert rule.lr_dropped() is False
+    assert rule.close_window(3.0, False, 32, 16) == 16  # rho = 1/4
+    assert rule.rho == 0.25
+    # a window with no finite step: r_hi, and the last finite norm stays the reference
+    assert rule.close_window(NAN, False, 32, 16) == 32 and math.isnan(rule.rho)
+    assert rule.previous_norm == 3.0
+    # a drop to a tenth and back within one window still counts (the least rate)
+    rule.observe_lr(1e-4)
+    rule.observe_lr(1e-3)
+    assert rule.lr_dropped() is True
+    assert rule.close_window(3.0, rule.lr_dropped(), 32, 16) == 32 and rule.lr_drop is True
+    assert rule.rho == 0.0
+    assert rule.close_window(2.9, rule.lr_dropped(), 32, 16) == 16 and rule.lr_drop is False
+    saved = rule.state_dict()
+    again = CriticalRule(0.5, 0.5)
+    again.load_state_dict(saved)
+    assert again.state_dict() == saved
+
+
+# ---------------------------------------------------------------- the noise scale
+
+
+def test_noise_scale_against_a_hand_computation():
+    # two replicas' gradients g1 = (1, 2), g2 = (3, 0): |G_small|² = (5 + 9) / 2 = 7, the
+    # average (2, 1) gives |G_big|² = 5; |G|² = (2·5 − 7) / 1 = 3, tr(Σ)/b = 2·(7 − 5) / 1 = 4
+    g = torch.tensor([[1.0, 2.0], [3.0, 0.0]], dtype=torch.float64)
+    small = float(g.square().sum(dim=1).mean())
+    big = float(g.mean(dim=0).square().sum())
+    assert (small, big) == (7.0, 5.0)
+    assert noise_scale(small, big, 2) == 4.0 / 3.0
+    # three replicas: (1, 0), (0, 1), (1, 1): |G_small|² = 4/3, average (2/3, 2/3): |G_big|² = 8/9;
+    # |G|² = (3·8/9 − 4/3) / 2 = 2/3, tr(Σ)/b = 3·(4/3 − 8/9) / 2 = 2/3: B_simple = b
+    assert noise_scale(4 / 3, 8 / 9, 3) == pytest.approx(1.0, rel=1e-15)
+    # the window's sums give the same ratio as its means
+    assert noise_scale(5 * 7.0, 5 * 5.0, 2) == 4.0 / 3.0
+
+
+@pytest.mark.parametrize("small, big, n", [(7.0, 5.0, 1), (7.0, 3.5, 2), (7.0, 1.0, 2), (NAN, 5.0, 2), (7.0, INF, 2)])
+def test_noise_scale_is_nan_where_undefined(small, big, n):
+    # one replica; |G|² estimated <= 0 (at and below); non-finite sums
+    assert math.isnan(noise_scale(small, big, n))
