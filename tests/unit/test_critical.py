@@ -1,12 +1,17 @@
-"""The "critical" rank policy as pure maths: Accordion's rule and the gradient noise scale,
-in float64 against hand-computed values."""
+"""The "critical" rank policy as pure maths (float64, hand-computed values), its config,
+and the state's learning-rate calls and older checkpoints."""
 
+import logging
 import math
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc.comm.hook import EDGCStats
 from edgc.policy.critical import CriticalRule, critical_rank, low_rank, lr_dropped, noise_scale
+from harness import assert_same  # (tests/distributed/, put on the path by tests/conftest.py)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -114,3 +119,108 @@ def test_noise_scale_against_a_hand_computation():
 def test_noise_scale_is_nan_where_undefined(small, big, n):
     # one replica; |G|² estimated <= 0 (at and below); non-finite sums
     assert math.isnan(noise_scale(small, big, n))
+
+
+def test_stats_scalars_leave_out_what_was_not_measured():
+    base = dict(step=3, phase="compress", rank=4, step_phase="compress", step_rank=4, entropy=NAN, min_rank=1,
+                max_rank=8, bytes_sent=100, bytes_uncompressed=400, compress_seconds=0.0, comm_seconds=0.0,
+                entropy_seconds=0.0, nonfinite_steps=0, compressed_steps=2)
+    scalars = EDGCStats(**base).scalars()
+    assert not {"critical_rho", "window_norm", "lr_drop", "noise_scale"} & set(scalars)
+    scalars = EDGCStats(**base, critical_rho=0.25, window_norm=3.0, lr_drop=True, noise_scale=12.5).scalars()
+    assert (scalars["critical_rho"], scalars["window_norm"], scalars["lr_drop"], scalars["noise_scale"]) == (
+        0.25, 3.0, 1.0, 12.5)
+
+
+# ---------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("values, field", [
+    (dict(critical_threshold=0.0), "critical_threshold"),
+    (dict(critical_threshold=-0.5), "critical_threshold"),
+    (dict(critical_threshold=NAN), "critical_threshold"),
+    (dict(critical_low_rank=0), "critical_low_rank"),
+    (dict(critical_low_rank=2**16 + 1), "critical_low_rank"),
+    (dict(max_rank=16, critical_low_rank=32), "critical_low_rank"),
+    (dict(max_rank=32, critical_low_rank=4), "critical_low_rank"),  # below max_rank // 4
+    (dict(max_rank=32, min_rank=12, critical_low_rank=10), "critical_low_rank"),
+    (dict(critical_low_rank=8.0), "critical_low_rank"),
+    (dict(lr_drop_factor=0.0), "lr_drop_factor"),
+    (dict(lr_drop_factor=1.0), "lr_drop_factor"),
+    (dict(lr_drop_factor=INF), "lr_drop_factor"),
+])
+def test_critical_config_errors_name_the_field(values, field):
+    with pytest.raises(ValueError, match=f"EDGCConfig.{field}="):
+        EDGCConfig(**values)
+
+
+def test_critical_config_defaults():
+    cfg = EDGCConfig(policy="critical", max_rank=32)
+    assert (cfg.critical_threshold, cfg.critical_low_rank, cfg.lr_drop_factor) == (0.5, None, 0.5)
+    assert EDGCConfig(policy="critical", max_rank=32, critical_low_rank=8).critical_low_rank == 8  # = max_rank // 4
+    assert EDGCConfig(policy="critical").max_rank is None  # r_max may be calibrated
+
+
+# ---------------------------------------------------------------- the state
+
+
+def test_set_learning_rate_must_be_finite_and_not_negative():
+    state = EDGCState(None, EDGCConfig(policy="critical", max_rank=8))
+    for bad in (-1e-3, NAN, INF):
+        with pytest.raises(ValueError, match="learning rate"):
+            state.set_learning_rate(bad)
+    state.set_learning_rate(0.0)
+    state.set_learning_rate(3e-4)
+    assert (state.critical.lr, state.critical.lr_min) == (3e-4, 0.0)
+    assert state.state_dict()["critical"]["lr"] == 3e-4
+
+
+def _steps(state: EDGCState, n: int, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
+    ddp = DDP(model)
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(n):
+        state.set_learning_rate(0.1)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_state_saved_before_the_critical_policy_loads_and_continues(one_process_group, caplog):
+    config = EDGCConfig(policy="cqm", max_rank=4, warmup_steps=2, window=2, iteration_sample_rate=1.0)
+    state = EDGCState(None, config)
+    _steps(state, 3)
+    saved = state.state_dict()
+    for key in ("critical", "window_gradient"):
+        del saved[key]
+    del saved["stats"]["noise_scale"]
+    for key in ("critical_threshold", "critical_low_rank", "lr_drop_factor"):
+        del saved["config"][key]
+    later = EDGCState(None, config)
+    with caplog.at_level(logging.WARNING, logger="edgc.comm.hook"):
+        later.load_state_dict(saved)
+    assert "differs from the checkpoint" not in caplog.text  # the new fields at their defaults
+    assert later.critical.lr is None and math.isnan(later.stats().noise_scale)
+    _steps(later, 2)
+    assert later.stats().step == 5
+
+
+def test_critical_state_round_trip_keeps_the_window_sums(one_process_group):
+    # one replica: the window norm is measured, the noise scale is not (nan)
+    config = EDGCConfig(policy="critical", max_rank=4, warmup_steps=2, window=4, iteration_sample_rate=1.0,
+                        min_compression_rate=1.0)
+    state = EDGCState(None, config)
+    _steps(state, 6)  # mid-window: the sums hold steps 5 and 6
+    saved = state.state_dict()
+    assert saved["window_gradient"]["steps"].item() == 2.0 and saved["window_gradient"]["total"].dtype == torch.float64
+    stats = state.stats()
+    assert stats.window_norm > 0 and math.isnan(stats.critical_rho) and math.isnan(stats.noise_scale)
+    fresh = EDGCState(None, config)
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh._window_grad.total, saved["window_gradient"]["total"])
+    assert_same(fresh.critical.state_dict(), saved["critical"])
+    assert_same(fresh.state_dict()["window_gradient"], saved["window_gradient"])
