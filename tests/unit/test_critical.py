@@ -1,5 +1,6 @@
 """The "critical" rank policy as pure maths (float64, hand-computed values), its config,
-and the state's learning-rate calls and older checkpoints."""
+the step learning-rate schedule that makes drops possible through `edgc train`, and the
+state's learning-rate calls and older checkpoints."""
 
 import logging
 import math
@@ -11,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.hook import EDGCStats
 from edgc.policy.critical import CriticalRule, critical_rank, low_rank, lr_dropped, noise_scale
+from edgc.train.common import lr_at
+from edgc.train.config import TrainConfig
 from harness import assert_same  # (tests/distributed/, put on the path by tests/conftest.py)
 
 NAN, INF = float("nan"), float("inf")
@@ -159,6 +162,32 @@ def test_critical_config_defaults():
     assert (cfg.critical_threshold, cfg.critical_low_rank, cfg.lr_drop_factor) == (0.5, None, 0.5)
     assert EDGCConfig(policy="critical", max_rank=32, critical_low_rank=8).critical_low_rank == 8  # = max_rank // 4
     assert EDGCConfig(policy="critical").max_rank is None  # r_max may be calibrated
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(lr_schedule="step"), 'lr_drop_steps=\'\': lr_schedule "step" needs at least one step'),
+    (dict(lr_drop_steps="600"), 'lr_drop_steps=\'600\': applies only to lr_schedule "step"'),
+    (dict(lr_schedule="step", lr_drop_steps="600,600"), "the steps must increase: 600 follows 600"),
+    (dict(lr_schedule="step", lr_drop_steps="0"), "'0' is not a step"),
+    (dict(lr_schedule="step", lr_drop_steps="6e2"), "'6e2' is not a step"),
+    (dict(lr_schedule="step", lr_drop_steps="600,"), "'' is not a step"),
+    (dict(lr_schedule="step", lr_drop_steps="1" + "0" * 30), "is not a step"),
+    (dict(lr_schedule="step", lr_drop_steps="600", lr_drop_gamma=1.0), r"lr_drop_gamma=1.0: must be in \(0, 1\)"),
+    (dict(lr_schedule="step", lr_drop_steps="600", lr_drop_gamma=0.0), r"lr_drop_gamma=0.0: must be in \(0, 1\)"),
+    (dict(lr_schedule="linear"), "lr_schedule='linear': must be one of"),
+])
+def test_step_schedule_errors_name_the_field(values, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(out=str(tmp_path / "run"), data_cache=str(tmp_path / "cache"), **values).validate()
+
+
+def test_step_schedule_learning_rates():
+    cfg = TrainConfig(steps=10, lr=1.0, lr_warmup_steps=2, lr_schedule="step", lr_drop_steps=" 4, 8",
+                      lr_drop_gamma=0.5).resolve()
+    assert cfg.lr_drops() == [4, 8]
+    assert [lr_at(s, cfg) for s in range(1, 11)] == [0.5, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25]
+    cosine = TrainConfig(steps=10, lr=1.0, lr_warmup_steps=2).resolve()  # the default is unchanged
+    assert cosine.lr_schedule == "cosine" and lr_at(2, cosine) == 1.0 and lr_at(10, cosine) == pytest.approx(0.1)
 
 
 # ---------------------------------------------------------------- the state
