@@ -233,6 +233,9 @@ def test_critical_policy_through_the_cli_raises_the_rank_after_a_step_lr_drop_an
               "--edgc-warmup-steps", "1", "--lr-schedule", "step", "--lr-drop-steps", "7"]
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 8, 12)  # stopped mid-window
     assert a == b
+    signals = [[(r["step"], r["critical_rho"], r["window_norm"], r["lr_drop"], r["noise_scale"])
+                for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train"] for d in (straight, tmp_path / "part")]
+    assert signals[0] == signals[1]  # the window sums and the rule's state resumed too
     train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["rank"] for r in train] == [0, 8, 8, 8, 8, 8, 4, 4, 4, 8, 8, 8]
     assert [r["lr"] for r in train[5:7]] == [1e-3, pytest.approx(1e-4)]

@@ -136,11 +136,13 @@ def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: boo
     }
 
 
-def critical_signal_check(rank: int, world: int, config_kwargs: dict, steps: int) -> dict:
+def critical_signal_check(rank: int, world: int, config_kwargs: dict, steps: int, bad_steps: tuple = ()) -> dict:
     """MixedNet in float64 under a "critical" state: at each window end, the window norm and
     noise scale the state reports, and the same recomputed here from what DDP hands the
     optimiser (p.grad after the sync) and from this replica's own gradient (a plain
-    backward of a copy of the model, outside DDP)."""
+    backward of a copy of the model, outside DDP). At `bad_steps` the last replica's
+    embedding gradient gets an inf at element (0, 1), which the GDS sample (every 4th
+    element) does not hold; the recomputation leaves out steps whose average is not finite."""
     from edgc.entropy import is_sampled_step, sample_stride
     from edgc.policy.critical import noise_scale
 
@@ -162,14 +164,22 @@ def critical_signal_check(rank: int, world: int, config_kwargs: dict, steps: int
         F.cross_entropy(shadow(idx).reshape(-1, 64), target.reshape(-1)).backward()
         local = torch.cat([p.grad.reshape(-1)[::k] for p in shadow.parameters()])  # this replica's sample
         opt.zero_grad(set_to_none=True)
+        handle = None
+        if step in bad_steps and rank == world - 1:
+            handle = model.emb.weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(1)),
+                                                                          torch.tensor(float("inf"), dtype=g.dtype)))
         F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1)).backward()
+        if handle is not None:
+            handle.remove()
         average = torch.cat([p.grad.reshape(-1)[::k] for p in model.parameters()])  # what the optimiser gets
-        total, count = total + average, count + 1
-        if is_sampled_step(step, config.iteration_sample_rate):
-            local_sq = local.square().sum().reshape(1)
-            dist.all_reduce(local_sq)  # (the test's own collective, outside the hook)
-            small, big = small + float(local_sq) / world, big + float(average.square().sum())
-        opt.step()
+        local_sq = local.square().sum().reshape(1)
+        dist.all_reduce(local_sq)  # (the test's own collective, outside the hook)
+        # (a non-finite step gets no update, as a GradScaler or a finite-norm check would do)
+        if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            total, count = total + average, count + 1
+            if is_sampled_step(step, config.iteration_sample_rate) and bool(torch.isfinite(local_sq).all()):
+                small, big = small + float(local_sq) / world, big + float(average.square().sum())
+            opt.step()
         ranks.append(state.stats().step_rank)
         if step % config.window == 0:
             stats = state.stats()
