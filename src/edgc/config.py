@@ -116,10 +116,10 @@ class EDGCConfig:
 
     critical_low_rank: int | None = None
     """For policy "critical": r_lo, the rank outside the critical regime, rounded to
-    `rank_multiple` and kept in [r_min, r_max]. None: max_rank // 2 (at least 1): the rank
-    schedule that beat the static frontier ran its second half at r_max / 2 (BENCHMARKS
-    §9), and r_min = r_max / 4 is lower than it measured to pay. The rank jumps between
-    r_max and r_lo directly: `rank_step` does not apply. In [1, MAX_RANK], at most
+    `rank_multiple` and kept in [r_min, r_max]. None: max_rank // 2 (at least 1), the low
+    rank of the fixed schedule "0:32,500:16" that measured best against the static
+    frontier (BENCHMARKS §9); r_min = max_rank // 4 may be lower than pays. The rank jumps
+    between r_max and r_lo directly: `rank_step` does not apply. In [1, MAX_RANK], at most
     max_rank and at least min_rank (max_rank // 4 when unset) where they are given."""
 
     lr_drop_factor: float = 0.5
