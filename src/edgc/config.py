@@ -30,7 +30,7 @@ from edgc.entropy import ESTIMATORS
 from edgc.policy.cqm import METHODS as CQM_METHODS
 from edgc.policy.schedule import parse_rank_schedule
 
-POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule")
+POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule", "critical")
 #: Policies that set one rank per group of same-shape matrices.
 GROUP_POLICIES = ("budget", "spectral")
 WARMUP_ERROR_NORMS = ("relative", "l1")
@@ -72,7 +72,11 @@ class EDGCConfig:
     window towards leaving out `error_budget` of the group's energy; edgc.policy.budget), or
     "spectral" (beyond the paper: one rank per group, following the effective rank of the
     spectrum PowerSGD transmits; edgc.policy.spectral), or "schedule" (the rank as a fixed
-    step function of the step, `rank_schedule`; edgc.policy.schedule)."""
+    step function of the step, `rank_schedule`; edgc.policy.schedule), or "critical"
+    (beyond the paper, after Accordion: r_max while the norm of the window's averaged
+    gradient changes by at least `critical_threshold` from one window to the next, and
+    for the window after a learning-rate drop, else `critical_low_rank`;
+    edgc.policy.critical)."""
 
     max_rank: int | None = None
     """Upper rank bound r_max, at most MAX_RANK (65536). None: calibrate it by timing
@@ -104,6 +108,26 @@ class EDGCConfig:
     """For policy "schedule": knots "STEP:RANK,..." (e.g. "0:32,300:16"); from each
     knot's step on, compressed steps use its rank. Ranks must not exceed `max_rank`.
     Checked whatever the policy, so that a malformed schedule never passes unnoticed."""
+
+    critical_threshold: float = 0.5
+    """For policy "critical": eta, the relative change rho = |N_old - N_new| / N_old of
+    the window gradient's norm from one window to the next at and above which the next
+    window runs at r_max ("critical regime"; Accordion, Agarwal et al. 2021: 0.5). A
+    finite number > 0; a large one keeps the low rank but after learning-rate drops."""
+
+    critical_low_rank: int | None = None
+    """For policy "critical": r_lo, the rank outside the critical regime, rounded to
+    `rank_multiple` and kept in [r_min, r_max]. None: max_rank // 2 (at least 1), the low
+    rank of the fixed schedule "0:32,500:16" that measured best against the static
+    frontier (BENCHMARKS §9); r_min = max_rank // 4 may be lower than pays. The rank jumps
+    between r_max and r_lo directly: `rank_step` does not apply. In [1, MAX_RANK], at most
+    max_rank and at least min_rank (max_rank // 4 when unset) where they are given."""
+
+    lr_drop_factor: float = 0.5
+    """For policy "critical": a learning rate (EDGCState.set_learning_rate) falling in a
+    window below this factor times the rate at the previous window end counts as a drop,
+    and the next window runs at r_max (Accordion). In (0, 1). A smooth decay counts as
+    a drop only where it halves the rate within one window (default factor)."""
 
     window: int = 1000
     """w: iterations per entropy window; the rank is revisited once per window (paper: 1000)."""
@@ -222,6 +246,19 @@ class EDGCConfig:
                 bad("rank_schedule", str(exc))
             if self.max_rank is not None and max(r for _, r in knots) > self.max_rank:
                 bad("rank_schedule", f"ranks must not exceed max_rank={self.max_rank}")
+        if not self.critical_threshold > 0:
+            bad("critical_threshold", "must be a finite number > 0")
+        if self.critical_low_rank is not None:
+            if not 1 <= self.critical_low_rank <= MAX_RANK:
+                bad("critical_low_rank", f"must be an integer in [1, {MAX_RANK}] or None (max_rank // 2)")
+            if self.max_rank is not None and self.critical_low_rank > self.max_rank:
+                bad("critical_low_rank", f"must not exceed max_rank={self.max_rank}")
+            if self.max_rank is not None and self.critical_low_rank < self.resolved_min_rank(self.max_rank):
+                floor = self.resolved_min_rank(self.max_rank)
+                why = f"min_rank={floor}" if self.min_rank is not None else f"min_rank (max_rank // 4 = {floor})"
+                bad("critical_low_rank", f"must not be below {why}; lower min_rank too")
+        if not 0.0 < self.lr_drop_factor < 1.0:
+            bad("lr_drop_factor", "must be in (0, 1)")
         for name, most in (("rank_step", MAX_RANK), ("rank_multiple", MAX_RANK), ("bins", MAX_BINS),
                            ("calibration_repeats", MAX_CALIBRATION_REPEATS)):
             if not 1 <= getattr(self, name) <= most:

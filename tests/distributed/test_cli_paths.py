@@ -224,3 +224,24 @@ def test_min_unit_mb_reaches_the_state_may_change_on_resume_and_a_bad_value_ends
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "edgc train: error: EDGCConfig.min_unit_mb=-1.0: must be a non-negative number (MB)"]
     assert not (tmp_path / "bad").exists()
+
+
+def test_critical_policy_through_the_cli_raises_the_rank_after_a_step_lr_drop_and_resumes_exactly(tmp_path, data_dir):
+    # a threshold rho never reaches: r_max for the first windows (no earlier one to compare
+    # with), then r_lo = 4, but for the window after the learning rate drops at step 7
+    common = ["--method", "edgc", "--rank", "8", "--steps", "12", "--eval-every", "6", "--checkpoint-every", "6",
+              "--edgc-policy", "critical", "--edgc-critical-threshold", "1e6", "--edgc-window", "3",
+              "--edgc-warmup-steps", "1", "--lr-schedule", "step", "--lr-drop-steps", "7"]
+    a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 8, 12)  # stopped mid-window
+    assert a == b
+    signals = [[(r["step"], r["critical_rho"], r["window_norm"], r["lr_drop"], r["noise_scale"])
+                for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train"]
+               for d in (straight, tmp_path / "part")]
+    assert signals[0] == signals[1]  # the window sums and the rule's state resumed too
+    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["rank"] for r in train] == [0, 8, 8, 8, 8, 8, 4, 4, 4, 8, 8, 8]
+    assert [r["lr"] for r in train[5:7]] == [1e-3, pytest.approx(1e-4)]
+    ends = train[2::3]  # steps 3, 6, 9, 12
+    assert [r["lr_drop"] for r in ends] == [False, False, True, False]
+    assert ends[0]["critical_rho"] is None and all(r["critical_rho"] >= 0 for r in ends[1:])
+    assert all(r["window_norm"] > 0 for r in ends) and all("noise_scale" in r for r in train)

@@ -19,7 +19,8 @@ def _args(data_dir, out, *extra):
             "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
-@pytest.mark.parametrize("method", ["none", "powersgd", "torch-powersgd", pytest.param("edgc", marks=pytest.mark.smoke)])
+@pytest.mark.parametrize("method", ["none", "powersgd", "torch-powersgd",
+                                    pytest.param("edgc", marks=pytest.mark.smoke)])
 def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
     out = tmp_path / method
     assert main(_args(data_dir, out, "--method", method, "--steps", "8", "--eval-every", "4",

@@ -51,9 +51,22 @@ def _make(config: EDGCConfig, seed: int = 0, bucket_cap_mb: float = 0.02):
     return model, ddp, state, opt
 
 
-def _train(ddp, opt, state, rank: int, start: int, steps: int):
+def _lr(step: int, drop_at: int | None) -> float:
+    """The learning rate of 0-based `step`: 0.5, a tenth of it from `drop_at` on."""
+    return 0.5 * (0.1 if drop_at is not None and step >= drop_at else 1.0)
+
+
+def _train(ddp, opt, state, rank: int, start: int, steps: int, lr_drop: int | dict | None = None, signals=None):
+    """`lr_drop`: the learning rate is told to the state each step, and drops tenfold at
+    that 0-based step (a dict: replica -> its own drop step, none for the others);
+    `signals`: a list that gets each step's "critical" stats."""
     losses, ranks = [], []
+    drop_at = lr_drop.get(rank) if isinstance(lr_drop, dict) else lr_drop
     for step in range(start, start + steps):
+        if lr_drop is not None:
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, drop_at)
+            state.set_learning_rate(_lr(step, drop_at))
         idx, target = _batch(step, rank)
         loss = F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -63,34 +76,43 @@ def _train(ddp, opt, state, rank: int, start: int, steps: int):
             opt.step()
         losses.append(float(loss.detach()))
         ranks.append(state.stats().rank)
+        if signals is not None:
+            s = state.stats()
+            signals.append((s.step_rank, s.critical_rho, s.window_norm, s.lr_drop, s.noise_scale))
     return losses, ranks
 
 
-def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int) -> dict:
-    """Train MixedNet; return flattened parameters, losses, ranks and stats."""
+def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int, lr_drop: int | None = None) -> dict:
+    """Train MixedNet; return flattened parameters, losses, ranks, stats and each step's
+    "critical" signals (`lr_drop`: see _train)."""
     config = EDGCConfig(**config_kwargs)
     model, ddp, state, opt = _make(config)
-    losses, ranks = _train(ddp, opt, state, rank, 0, steps)
+    signals: list = []
+    losses, ranks = _train(ddp, opt, state, rank, 0, steps, lr_drop, signals)
     reducer = ddp.reducer
     n_buckets = len(reducer._get_zeros_like_grad_buckets()) if hasattr(reducer, "_get_zeros_like_grad_buckets") else -1
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
             "history": list(state.controller.history),
             "group_ranks": {str(g.shape): g.q.shape[-1] for g in state.groups.values()},
-            "eps_max": state.gate.eps_max}
+            "eps_max": state.gate.eps_max, "signals": signals}
 
 
-def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: bool = False) -> dict:
+def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: bool = False,
+                 lr_drop: int | None = None) -> dict:
     """2n straight steps vs n steps, checkpoint through bytes, fresh objects, n more.
     `legacy`: the checkpoint's state is made to look like one written before the
-    pipelined mode (no "units", no "sync_mode" in its config)."""
+    pipelined mode (no "units", no "sync_mode" in its config). `lr_drop`: see _train.
+    Also each run's per-step "critical" signals."""
     config = EDGCConfig(**config_kwargs)
     model, ddp, state, opt = _make(config)
-    straight, _ = _train(ddp, opt, state, rank, 0, 2 * n)
+    straight_signals: list = []
+    straight, _ = _train(ddp, opt, state, rank, 0, 2 * n, lr_drop, straight_signals)
     straight_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     model, ddp, state, opt = _make(config)
-    first, _ = _train(ddp, opt, state, rank, 0, n)
+    resumed_signals: list = []
+    first, _ = _train(ddp, opt, state, rank, 0, n, lr_drop, resumed_signals)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "edgc": state.state_dict()}, buf)
     del model, ddp, state, opt
@@ -103,14 +125,69 @@ def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: boo
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     state.load_state_dict(ckpt["edgc"])
-    second, _ = _train(ddp, opt, state, rank, n, n)
+    second, _ = _train(ddp, opt, state, rank, n, n, lr_drop, resumed_signals)
     resumed_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {
         "straight": straight,
         "resumed": first + second,
         "straight_params": straight_params,
         "resumed_params": resumed_params,
+        "straight_signals": straight_signals,
+        "resumed_signals": resumed_signals,
     }
+
+
+def critical_signal_check(rank: int, world: int, config_kwargs: dict, steps: int, bad_steps: tuple = ()) -> dict:
+    """MixedNet in float64 under a "critical" state: at each window end, the window norm and
+    noise scale the state reports, and the same recomputed here from what DDP hands the
+    optimiser (p.grad after the sync) and from this replica's own gradient (a plain
+    backward of a copy of the model, outside DDP). At `bad_steps` the last replica's
+    embedding gradient gets an inf at element (0, 1), which the GDS sample (every 4th
+    element) does not hold; the recomputation leaves out steps whose average is not finite."""
+    from edgc.entropy import is_sampled_step, sample_stride
+    from edgc.policy.critical import noise_scale
+
+    config = EDGCConfig(**config_kwargs)
+    torch.manual_seed(0)
+    model = MixedNet().double()
+    shadow = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = EDGCState(None, config)
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    k = sample_stride(config.gradient_sample_rate)
+    total, count, small, big = 0.0, 0, 0.0, 0.0
+    reported, recomputed, ranks = [], [], []
+    for step in range(1, steps + 1):
+        idx, target = _batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad(set_to_none=True)
+        F.cross_entropy(shadow(idx).reshape(-1, 64), target.reshape(-1)).backward()
+        local = torch.cat([p.grad.reshape(-1)[::k] for p in shadow.parameters()])  # this replica's sample
+        opt.zero_grad(set_to_none=True)
+        handle = None
+        if step in bad_steps and rank == world - 1:
+            handle = model.emb.weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(1)),
+                                                                          torch.tensor(float("inf"), dtype=g.dtype)))
+        F.cross_entropy(ddp(idx).reshape(-1, 64), target.reshape(-1)).backward()
+        if handle is not None:
+            handle.remove()
+        average = torch.cat([p.grad.reshape(-1)[::k] for p in model.parameters()])  # what the optimiser gets
+        local_sq = local.square().sum().reshape(1)
+        dist.all_reduce(local_sq)  # (the test's own collective, outside the hook)
+        # (a non-finite step gets no update, as a GradScaler or a finite-norm check would do)
+        if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            total, count = total + average, count + 1
+            if is_sampled_step(step, config.iteration_sample_rate) and bool(torch.isfinite(local_sq).all()):
+                small, big = small + float(local_sq) / world, big + float(average.square().sum())
+            opt.step()
+        ranks.append(state.stats().step_rank)
+        if step % config.window == 0:
+            stats = state.stats()
+            reported.append((stats.window_norm, stats.noise_scale))
+            recomputed.append((float(total.norm()) / count, noise_scale(small, big, world)))
+            total, count, small, big = 0.0, 0, 0.0, 0.0
+    return {"reported": reported, "recomputed": recomputed, "ranks": ranks}
 
 
 def nonfinite_check(rank: int, world: int, config_kwargs: dict, bad_step: int, steps: int) -> dict:

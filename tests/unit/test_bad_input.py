@@ -55,6 +55,8 @@ ALLOWED = {
                             "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept", "--dac-t-mb",
                             "--dac-t-uncompressed")],
     ("--edgc-rank-schedule", ""),  # no schedule: the default, for every policy but "schedule"
+    ("--lr-drop-steps", ""),  # no drops: the default, for every lr schedule but "step"
+    ("--edgc-critical-threshold", "1e12"),  # a change never that large: r_lo but after learning-rate drops
 }
 
 

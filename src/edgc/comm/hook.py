@@ -60,6 +60,8 @@ from edgc.comm.stepsync import (
     ENTROPY,
     EPS_MAX,
     EPS_MIN,
+    GRAD_SQ,
+    LR_DROP,
     NONFINITE,
     Group,
     StepInfo,
@@ -71,11 +73,13 @@ from edgc.comm.stepsync import (
     working_dtype,
 )
 from edgc.comm.timing import Lap, LapSum, start_lap
+from edgc.comm.windowgrad import WindowGradient
 from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
 from edgc.config import GROUP_POLICIES, EDGCConfig
 from edgc.entropy import is_sampled_step, sample_offsets
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
+from edgc.policy.critical import CriticalRule, low_rank, noise_scale
 from edgc.policy.schedule import parse_rank_schedule, scheduled_rank
 from edgc.policy.spectral import spectral_rank
 
@@ -90,6 +94,9 @@ _VERSION = 1  # (version-1 states written before "replica" existed load without 
 _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
                   "groups", "generator", "controller", "gate", "calibration", "stats")
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
+# The config fields of the "critical" policy at their defaults, for states written before them.
+_CRITICAL_DEFAULTS = {name: EDGCConfig.__dataclass_fields__[name].default
+                      for name in ("critical_threshold", "critical_low_rank", "lr_drop_factor")}
 
 
 @dataclass
@@ -111,6 +118,16 @@ class EDGCStats:
     entropy_seconds: float  # sampling and entropy estimation
     nonfinite_steps: int  # compressed steps whose gradient had inf/nan (sent on; EF and Q kept as they were)
     compressed_steps: int  # steps synchronised with low-rank compression
+    # policy "critical" (edgc.policy.critical), at the last window end; nan (False) before one
+    critical_rho: float = math.nan  # rho = |N_old - N_new| / N_old (nan: no earlier window to compare)
+    window_norm: float = math.nan  # N: the norm of the window's mean averaged gradient, on the GDS sample
+    lr_drop: bool = False  # the learning rate dropped in that window (set_learning_rate), agreed over replicas
+    # the last window's gradient noise scale B_simple (McCandlish et al. 2018) in units of one
+    # replica's batch: multiply by that batch's size for examples. Measured on sampled steps
+    # of the policies that sample the gradient (all but static, schedule and the per-group
+    # ones); biased high on compressed steps, whose average is the low-rank one
+    # (edgc.comm.windowgrad); nan with one replica, or before the first window end
+    noise_scale: float = math.nan
 
     @property
     def compression_ratio(self) -> float:
@@ -122,7 +139,9 @@ class EDGCStats:
         and "compressing" (1 or 0) say what the last step did (step_rank, step_phase), as
         metrics.jsonl does; then "entropy" (left out before the first estimate), "min_rank",
         "max_rank", the byte counts so far and their "compression_ratio", the seconds spent,
-        and the counts of compressed and non-finite steps."""
+        the counts of compressed and non-finite steps, and where measured "critical_rho",
+        "window_norm", "lr_drop" (1 or 0, from the first "critical" window end on) and
+        "noise_scale"; values not measured yet (nan) are left out."""
         out = {
             "rank": float(self.step_rank), "compressing": float(self.step_phase == "compress"),
             "entropy": self.entropy, "min_rank": float(self.min_rank), "max_rank": float(self.max_rank),
@@ -130,6 +149,9 @@ class EDGCStats:
             "compression_ratio": self.compression_ratio, "compress_seconds": self.compress_seconds,
             "comm_seconds": self.comm_seconds, "entropy_seconds": self.entropy_seconds,
             "compressed_steps": float(self.compressed_steps), "nonfinite_steps": float(self.nonfinite_steps),
+            "critical_rho": self.critical_rho, "window_norm": self.window_norm,
+            "lr_drop": float(self.lr_drop) if math.isfinite(self.window_norm) else math.nan,
+            "noise_scale": self.noise_scale,
         }
         return {name: value for name, value in out.items() if math.isfinite(value)}
 
@@ -184,6 +206,10 @@ class EDGCState:
         self.controller = RankController(config.policy, rank_step=config.rank_step, rank_multiple=config.rank_multiple,
                                          smoothing=config.entropy_smoothing)
         self.gate = WarmupGate(config.warmup_steps, config.window, config.warmup_error_check)
+        # "critical": the last window's norm and the learning rates given (set_learning_rate),
+        # and the window sums of the averaged gradient it (and the noise scale) reads
+        self.critical = CriticalRule(config.critical_threshold, config.lr_drop_factor)
+        self._window_grad = WindowGradient()
         self._schedule = parse_rank_schedule(config.rank_schedule) if config.policy == "schedule" else []
         self.generator = torch.Generator().manual_seed(config.seed)
         self.calibration: dict[str, Any] = {"points": [], "t_uncompressed": [], "done": config.max_rank is not None}
@@ -208,6 +234,7 @@ class EDGCState:
 
         # stats
         self.last_entropy = math.nan
+        self.noise_scale = math.nan  # the last window's (EDGCStats.noise_scale)
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
         self._comm = LapSum()  # inside collectives, waiting included
@@ -337,6 +364,23 @@ class EDGCState:
             raise ValueError(f"grad scale must be a positive finite number, got {scale}")
         self.grad_scale = scale
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Tell the state the learning rate of the next step: call it before each backward
+        pass, or at least whenever the rate changes (a rate holds until the next call).
+
+        The "critical" policy runs the window after a learning-rate drop at r_max: at each
+        window end, a drop is the least rate given in the window falling below
+        `lr_drop_factor` times the rate in force at the previous window end (by default,
+        below half of it). Replicas agree on it at the window end (one entry of the
+        step's control all-reduce), so one replica's drop raises the rank everywhere.
+        Without calls no drop is ever seen. Other policies only record the rate. Raises
+        ValueError unless `lr` is a finite number >= 0.
+        """
+        lr = float(lr)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"learning rate must be a finite number >= 0, got {lr}")
+        self.critical.observe_lr(lr)
+
     @property
     def rank(self) -> int:
         """The rank used for compressed steps now (0 while uncompressed)."""
@@ -367,6 +411,10 @@ class EDGCState:
             entropy_seconds=self.entropy_seconds,
             nonfinite_steps=self.nonfinite_steps,
             compressed_steps=self.compressed_steps,
+            critical_rho=self.critical.rho,
+            window_norm=self.critical.norm,
+            lr_drop=self.critical.lr_drop,
+            noise_scale=self.noise_scale,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -408,6 +456,8 @@ class EDGCState:
             "generator": self.generator.get_state(),
             "policy_window": None if self._window_sums is None else self._window_sums.cpu().tolist(),
             "controller": self.controller.state_dict(),
+            "critical": self.critical.state_dict(),
+            "window_gradient": self._window_grad.state_dict(),
             "gate": self.gate.state_dict(),
             "calibration": {k: (list(v) if isinstance(v, list) else v) for k, v in self.calibration.items()},
             "stats": {
@@ -420,6 +470,7 @@ class EDGCState:
                 "grad_scale": float(self.grad_scale),
                 "nonfinite_steps": self.nonfinite_steps,
                 "compressed_steps": self.compressed_steps,
+                "noise_scale": self.noise_scale,
             },
         }
 
@@ -445,7 +496,9 @@ class EDGCState:
             self._check_identity(*identity)
         else:
             self._loaded_identity = identity  # checked when the hook binds its group
-        saved_config = {"sync_mode": "whole-step", **d["config"]}  # (the only mode before "sync_mode" existed)
+        # ("whole-step": the only mode before "sync_mode" existed; the "critical" fields came
+        # later still, and a state without them ran no such policy)
+        saved_config = {"sync_mode": "whole-step", **_CRITICAL_DEFAULTS, **d["config"]}
         if saved_config != self.config.to_dict():
             changed = sorted(k for k, v in saved_config.items() if self.config.to_dict().get(k) != v)
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values", changed)
@@ -472,6 +525,13 @@ class EDGCState:
         sums = d.get("policy_window", d.get("budget_window"))  # (the key's name before "spectral")
         self._window_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
         self.controller.load_state_dict(d["controller"])
+        # (states written before the "critical" policy lack the next two: nothing recorded yet)
+        self.critical = CriticalRule(self.config.critical_threshold, self.config.lr_drop_factor)
+        if d.get("critical") is not None:
+            self.critical.load_state_dict(d["critical"])
+        self._window_grad = WindowGradient()
+        if d.get("window_gradient") is not None:
+            self._window_grad.load_state_dict(d["window_gradient"])
         self.gate.load_state_dict(d["gate"])
         self.calibration = dict(d["calibration"])
         stats = dict(d["stats"])
@@ -596,9 +656,12 @@ class EDGCState:
         self._loaded = None  # the state has moved on from what was loaded
         self.step += 1
         step, cfg = self.step, self.config
-        # (static, schedule and the per-group policies decide nothing from entropy, so they pay nothing for it)
-        want_entropy = (cfg.policy not in ("static", "schedule", *GROUP_POLICIES)
-                        and is_sampled_step(step, cfg.iteration_sample_rate))
+        # (static, schedule and the per-group policies decide nothing from the gradient's sample, so
+        # they pay nothing for it; "critical" samples it for the noise scale, but needs no entropy)
+        sampled = (cfg.policy not in ("static", "schedule", *GROUP_POLICIES)
+                   and is_sampled_step(step, cfg.iteration_sample_rate))
+        want_entropy = sampled and cfg.policy != "critical"
+        critical = cfg.policy == "critical"
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         self.step_phase, self.step_rank = self.phase, 0
         if self.phase == "compress" and cfg.policy == "schedule":
@@ -611,12 +674,17 @@ class EDGCState:
                 g.q = draw_q(len(g.slots), g.shape[1], g.q.shape[-1], self.generator, dtype=g.q.dtype,
                              device=g.q.device)
         flush = self.phase == "compress" and not compressed and self._residual_pending
-        return StepInfo(step, compressed, want_entropy, want_errors, flush, self.grad_scale)
+        return StepInfo(step, compressed, want_entropy, want_errors, flush, self.grad_scale,
+                        want_noise=sampled and self.world_size > 1,
+                        want_lr_drop=critical and step % cfg.window == 0, watch_average=critical)
 
     def _end_step(self, info: StepInfo, control: torch.Tensor | None, grads: list[torch.Tensor], finite: bool,
-                  step_comm: LapSum, plain: Lap | None) -> None:
+                  sums_finite: torch.Tensor, step_comm: LapSum, plain: Lap | None) -> None:
         """Decisions at the end of a step, from replica-identical values (`control` is the
-        replica-summed control vector, its averages divided already)."""
+        replica-summed control vector, its averages divided already; `grads` the averaged
+        gradient in slot order, views of DDP's buckets, in both sync modes and whether the
+        step was compressed or not; `sums_finite` the device flag of StepSync.ok: on
+        compressed steps, and on every step of "critical", whether every sum was finite)."""
         step, cfg = info.step, self.config
         if info.compressed:
             if finite:
@@ -634,17 +702,20 @@ class EDGCState:
             # a replica with inf/nan gradients contributes no entropy sample this step
             self.last_entropy = float(control[ENTROPY]) if control[NONFINITE] == 0 else math.nan
             self.controller.observe(self.last_entropy)
+        self._observe_average(info, control, grads, sums_finite)
         if step % cfg.window == 0:
             self.controller.close_window()
+            critical_rank = self._close_average_window(control)
             if self.phase == "compress" and cfg.policy in GROUP_POLICIES:
                 self._group_decide()
             elif self.phase == "compress" and cfg.policy != "schedule":
+                rank = critical_rank if cfg.policy == "critical" else self.controller.decide()
                 if self.alignment is not None:
                     # the stage exchange waits for stage 0, which may still be in its
                     # backward pass: the pipeline stage calls align() after its sends
-                    self._pending_alignment = (self.controller.decide(), step)
+                    self._pending_alignment = (rank, step)
                 else:
-                    self._apply_rank(self.controller.decide())
+                    self._apply_rank(rank)
         if self.phase == "warmup" and self.calibration["done"]:
             eps_min = eps_max = math.nan
             if info.want_errors:
@@ -657,6 +728,41 @@ class EDGCState:
                 )
             if self.gate.update(step, eps_min, eps_max):
                 self._start_compression(grads)
+
+    def _observe_average(self, info: StepInfo, control: torch.Tensor | None, grads: list[torch.Tensor],
+                         sums_finite: torch.Tensor) -> None:
+        """Add the step's averaged gradient to the window's sums (edgc.comm.windowgrad): its
+        sample every step for "critical", and on sampled steps, where every replica's
+        gradient was finite, the noise scale's two squared norms."""
+        small_sq = None
+        if info.want_noise and control is not None and control[NONFINITE] == 0:  # (control: on such steps)
+            small_sq = float(control[GRAD_SQ])  # |G_small|²: the replicas' mean
+        if not (info.watch_average or small_sq is not None):
+            return
+        offsets, dtype = self._sample_layout()
+        self._window_grad.observe(grads, offsets, dtype, self.config.gradient_sample_rate, info.scale, sums_finite,
+                                  accumulate=info.watch_average, small_sq=small_sq)
+
+    def _close_average_window(self, control: torch.Tensor | None) -> int:
+        """At a window end: the window's noise scale, and for "critical" the next window's
+        rank (edgc.policy.critical), from the window's norm and the learning-rate drop the
+        replicas agreed in this step's control vector; returns that rank (the rank in use
+        for other policies). In warm-up the rule only records the window."""
+        cfg = self.config
+        norm, noise = self._window_grad.close()
+        if noise is not None:
+            # (the window's sums: their count cancels in the ratio)
+            self.noise_scale = noise_scale(noise[0], noise[1], self.world_size)
+        if cfg.policy != "critical":
+            return self.applied_rank
+        assert control is not None  # (issued at every window end of "critical")
+        dropped = bool(control[LR_DROP] > 0)  # (any replica's drop: a SUM of 0/1 flags)
+        r_lo = low_rank(cfg.critical_low_rank, self.r_min, self.r_max, cfg.rank_multiple)
+        rank = self.critical.close_window(norm, dropped, self.r_max, r_lo)
+        logger.info("EDGC critical: step %s, window gradient norm %.6g, rho %.4g%s -> rank %s%s", self.step, norm,
+                    self.critical.rho, ", learning rate dropped" if dropped else "", rank,
+                    "" if self.phase == "compress" else " (warm-up: not applied)")
+        return rank
 
     def _unit_plan(self, unit: tuple[int, ...], groups: list[Group]) -> UnitPlan:
         """The cached UnitPlan of a unit (per set of groups: [] for an uncompressed step)."""

@@ -71,10 +71,13 @@ optimiser or GradScaler skips it.
 
 Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
 last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
-to redraw), and on sampled steps this replica's finiteness, the entropy estimate and (the
-"spectral" policy) each group's effective ranks. The values replicas must agree on
-(entropy, warm-up errors, finiteness) travel in a control all-reduce issued at the last
-bucket and waited for at the end of the drain: nothing extra blocks the backward pass.
+to redraw), and on sampled steps this replica's finiteness, the entropy estimate, the
+gradient sample's squared norm and (the "spectral" policy) each group's effective ranks.
+The values replicas must agree on (entropy, warm-up errors, finiteness, the sample norm
+and, at "critical" window ends, whether the learning rate dropped) travel in a control
+all-reduce issued at the last bucket and waited for at the end of the drain: nothing
+extra blocks the backward pass. The "critical" policy's window norm needs none: it is
+read from the average, the same on every replica (edgc.comm.windowgrad), once a window.
 On CUDA with NCCL every collective runs on NCCL's stream and `wait` only orders the
 current stream after it (gloo, which copies CUDA tensors through the host, blocks); the
 hook's arithmetic runs on the current stream, with no side stream and so no events to record.
@@ -111,8 +114,16 @@ __all__ = ["Group", "StepInfo", "StepSync", "coarse_units", "dtype_order", "flat
 
 _HALF = (torch.float16, torch.bfloat16)
 
-# Layout of the per-step control vector (float64, all-reduced with SUM).
-NONFINITE, ENTROPY, EPS_MIN, EPS_MAX, CONTROL_LEN = 0, 1, 2, 3, 4
+# Layout of the per-step control vector (float64, all-reduced with SUM; every entry from
+# ENTROPY on is then divided by the world size, a mean over replicas):
+# NONFINITE  replicas whose local gradient had inf/nan (sampled steps, warm-up checks)
+# ENTROPY    the entropy of the local gradient's GDS sample (entropy policies' sampled steps)
+# EPS_MIN, EPS_MAX  the warm-up error check's errors at r_min and r_max
+# GRAD_SQ    ||g_i||², the squared norm of the local gradient's sample: its mean is |G_small|²
+#            of the noise scale (sampled steps, world > 1; edgc.comm.windowgrad)
+# LR_DROP    1 where this replica saw the learning rate drop in the window ("critical"
+#            window ends): above 0 after the sum where any replica did
+NONFINITE, ENTROPY, EPS_MIN, EPS_MAX, GRAD_SQ, LR_DROP, CONTROL_LEN = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass
@@ -140,6 +151,19 @@ class StepInfo:
     want_errors: bool  # the warm-up error check (whole-step only)
     flush: bool  # add the error feedback to this gradient first (whole-step only)
     scale: float  # the loss scale the gradients carry
+    want_noise: bool = False  # a sampled step: agree |G_small|² for the noise scale (GRAD_SQ)
+    want_lr_drop: bool = False  # a "critical" window end: agree whether the learning rate dropped
+    watch_average: bool = False  # "critical": the average is read, so its finiteness is tracked
+
+    @property
+    def want_sample(self) -> bool:
+        """Whether the step samples the local gradient (GDS) as it arrives."""
+        return self.want_entropy or self.want_noise
+
+    @property
+    def want_control(self) -> bool:
+        """Whether the step issues the control all-reduce."""
+        return self.want_sample or self.want_errors or self.want_lr_drop
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -349,7 +373,7 @@ class StepSync:
         finite = self._commit() if info.compressed else True
         if len(self.layout) > 1:
             state._units = self.layout  # the units from the next step on (see "The plan")
-        state._end_step(info, control, grads, finite, self.step_comm, self.plain_lap)
+        state._end_step(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap)
 
     def fail(self, exc: BaseException) -> None:
         """Hand `exc` to every bucket future not completed yet (nobody waits forever)."""
@@ -371,7 +395,7 @@ class StepSync:
         self.ok = torch.ones((), dtype=torch.bool, device=state.device)  # every sum so far finite
         self.local_finite = torch.ones((), dtype=torch.bool, device=state.device)  # this replica's gradient
         self.sample = None
-        if info.want_entropy:
+        if info.want_sample:
             offsets, dtype = state._sample_layout()
             self.sample = torch.empty(offsets[-1], dtype=dtype, device=state.device)
             self.sample_at = offsets
@@ -392,7 +416,7 @@ class StepSync:
         for s in slots:
             self.owner[s] = b
         state.bytes_uncompressed += buffer.numel() * buffer.element_size()
-        if info.want_entropy or info.want_errors:
+        if info.want_sample or info.want_errors:
             self.local_finite &= torch.isfinite(buffer).all()
         if self.sample is not None:
             rate = state.config.gradient_sample_rate
@@ -506,7 +530,7 @@ class StepSync:
         new error feedback and Q aside (committed at the end of the step)."""
         state, info = self.state, self.info
         state._wait(r.works, self.step_comm)
-        if info.compressed and not r.parts:
+        if (info.compressed or info.watch_average) and not r.parts:
             for flat in (f for f, _ in r.flats):
                 self.ok &= torch.isfinite(flat).all()
         for part in r.parts:
@@ -538,20 +562,26 @@ class StepSync:
     # ------------------------------------------------------------------ the step's end
 
     def _control(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, Any] | None:
-        """Measure this replica's entropy and warm-up errors and issue their all-reduce
-        (waited for in the drain); None on steps that need neither."""
+        """Measure this replica's entropy, gradient sample norm, warm-up errors and
+        learning-rate drop, as the step wants, and issue their all-reduce (waited for in
+        the drain); None on steps that need none of them."""
         state, info, cfg = self.state, self.info, self.state.config
-        if not (info.want_entropy or info.want_errors):
+        if not info.want_control:
             return None
         lap = start_lap(state.device)
         control = torch.zeros(CONTROL_LEN, dtype=torch.float64)
         control[NONFINITE] = float(not bool(self.local_finite))
+        if info.want_sample and info.scale != 1.0:
+            assert self.sample is not None  # (_begin allocates it on a step that wants a sample)
+            self.sample.div_(info.scale)  # the true gradient's entropy and norm, not the scaled one's
         if info.want_entropy:
-            sample = self.sample
-            assert sample is not None  # (_begin allocates it on a step that wants the entropy)
-            if info.scale != 1.0:
-                sample.div_(info.scale)  # the entropy of the true gradient, not of the scaled one
-            control[ENTROPY] = estimate_entropy(sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
+            assert self.sample is not None  # (_begin allocates it on a step that wants the entropy)
+            control[ENTROPY] = estimate_entropy(self.sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
+        if info.want_noise:
+            assert self.sample is not None  # (and on one that wants the noise scale)
+            control[GRAD_SQ] = float(torch.linalg.vector_norm(self.sample, dtype=torch.float64).square())
+        if info.want_lr_drop:
+            control[LR_DROP] = float(state.critical.lr_dropped())
         if info.want_errors:
             mats = [g for s, g in enumerate(grads)
                     if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
@@ -563,8 +593,8 @@ class StepSync:
                 eps = relative_lowrank_error(mats, [state.r_min, state.r_max])
             control[EPS_MIN], control[EPS_MAX] = eps
         state._entropy.add(lap.stop())
-        # collective: all-reduce SUM of 4 float64 values (32 bytes), issued at the last bucket
-        # (pipelined: after every unit's P) and waited for at the end of the step
+        # collective: all-reduce SUM of CONTROL_LEN = 6 float64 values (48 bytes), issued at the
+        # last bucket (pipelined: after every unit's P) and waited for at the end of the step
         return control, state._all_reduce(control, async_op=True, device_copy=state.device)
 
     def _commit(self) -> bool:

@@ -17,7 +17,7 @@ from edgc.train.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 __all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "lr_at", "model_config", "param_groups",
-           "restore_rank"]
+           "restore_rank", "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -117,12 +117,33 @@ class DivergenceGuard:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate at `step` (1-based): linear warm-up, then cosine decay to min_lr."""
+    """Learning rate at `step` (1-based): linear warm-up, then cosine decay to min_lr, or
+    with lr_schedule "step" lr times lr_drop_gamma for each of lr_drop_steps reached (the
+    drops apply during the warm-up too)."""
     assert cfg.lr_warmup_steps is not None and cfg.min_lr is not None
+    if cfg.lr_schedule == "step":
+        peak = cfg.lr * cfg.lr_drop_gamma ** sum(1 for at in cfg.lr_drops() if at <= step)
+        return peak * min(1.0, step / max(1, cfg.lr_warmup_steps))
     if step <= cfg.lr_warmup_steps:
         return cfg.lr * step / max(1, cfg.lr_warmup_steps)
     progress = (step - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
+
+
+def tell_learning_rate(hook_state: Any, lr: float) -> None:
+    """Give an EDGC state the learning rate of the step about to run (its "critical" policy
+    raises the rank after a drop); other hook states take none."""
+    if hasattr(hook_state, "set_learning_rate"):
+        hook_state.set_learning_rate(lr)
+
+
+def window_signals(stats: Any) -> dict[str, Any]:
+    """The window signals of a hook state's stats (EDGCStats) for a metrics.jsonl record:
+    "critical_rho", "window_norm" and "lr_drop" of the "critical" policy's last window
+    end (null, and false, before one and for other policies), and "noise_scale", the last
+    window's gradient noise scale in units of one replica's batch (null where not measured)."""
+    return {"critical_rho": stats.critical_rho, "window_norm": stats.window_norm, "lr_drop": bool(stats.lr_drop),
+            "noise_scale": stats.noise_scale}
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:

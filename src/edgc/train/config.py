@@ -28,6 +28,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 TOKENIZERS = ("bpe", "gpt2")
 LOGS = ("jsonl", "tensorboard")
+LR_SCHEDULES = ("cosine", "step")
 #: The largest DDP bucket taken, in MB (1 TiB): DDP holds the size as a 64-bit byte count.
 MAX_BUCKET_MB = 2.0**20
 #: The longest emulated device time per block taken, in ms (edgc.train.emulate).
@@ -48,7 +49,7 @@ class TrainConfig:
     #: The values each text field may take (validate checks them; the CLI lists them).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "preset": tuple(PRESETS), "method": METHODS, "device": DEVICES, "dtype": DTYPES,
-        "tokenizer": TOKENIZERS, "schedule": SCHEDULES, "log": LOGS,
+        "tokenizer": TOKENIZERS, "schedule": SCHEDULES, "log": LOGS, "lr_schedule": LR_SCHEDULES,
     }
     #: How `edgc train --help` groups the fields, each field in one group, in this order
     #: (the "edgc" and "dac" tables have groups of their own).
@@ -57,8 +58,9 @@ class TrainConfig:
                                     "emulated_device_ms"),
         "workers and parallel layout": ("nproc", "pp", "dp", "schedule", "microbatches", "sync_after_send",
                                         "activation_rank"),
-        "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "min_lr",
-                         "lr_warmup_steps", "weight_decay", "grad_clip", "seed", "max_nonfinite_steps"),
+        "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "lr_schedule",
+                         "min_lr", "lr_warmup_steps", "lr_drop_steps", "lr_drop_gamma", "weight_decay", "grad_clip",
+                         "seed", "max_nonfinite_steps"),
         "data": ("data", "tokenizer", "vocab_size", "corpus_bytes", "data_cache"),
         "evaluation": ("eval_every", "eval_tokens"),
         "run folder, logging and checkpoints": ("out", "log", "progress", "checkpoint_every", "keep_checkpoints",
@@ -72,7 +74,7 @@ class TrainConfig:
         "warmup_steps": "steps // 10, at least 1", "seed": "--seed",
     }
     #: Placeholders for values that are not plain text (the CLI's help shows them).
-    METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR"}
+    METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR", "lr_drop_steps": "STEP,..."}
 
     preset: str = "tiny"
     """Model preset (edgc.models.PRESETS)."""
@@ -122,11 +124,23 @@ class TrainConfig:
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
 
+    lr_schedule: str = "cosine"
+    """After the warm-up: "cosine" (decay to min_lr by the last step) or "step" (lr, times
+    lr_drop_gamma at each of lr_drop_steps; min_lr does not apply)."""
+
     min_lr: float | None = None
     """Floor of the cosine decay; None: lr / 10."""
 
     lr_warmup_steps: int | None = None
     """Linear learning-rate warm-up; None: 5% of steps (paper: 1% of a much longer run)."""
+
+    lr_drop_steps: str = ""
+    """For lr_schedule "step": the steps "STEP,..." (e.g. "600,800") from which the learning
+    rate is multiplied by lr_drop_gamma, once more at each; increasing positive integers.
+    Only with "step"."""
+
+    lr_drop_gamma: float = 0.1
+    """For lr_schedule "step": the factor each drop multiplies the learning rate by, in (0, 1)."""
 
     weight_decay: float = 0.01
     """AdamW weight decay (paper: 0.01); a finite number >= 0."""
@@ -266,6 +280,16 @@ class TrainConfig:
             bad("lr", "must be positive")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             bad("min_lr", f"must be in [0, lr={self.lr}]")
+        try:
+            drops = self.lr_drops()
+        except ValueError as exc:
+            bad("lr_drop_steps", str(exc))
+        if self.lr_schedule == "step" and not drops:
+            bad("lr_drop_steps", 'lr_schedule "step" needs at least one step to drop at ("STEP,...")')
+        if self.lr_schedule != "step" and drops:
+            bad("lr_drop_steps", f'applies only to lr_schedule "step" (this run\'s is "{self.lr_schedule}")')
+        if not 0 < self.lr_drop_gamma < 1:
+            bad("lr_drop_gamma", "must be in (0, 1)")
         for name in ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
@@ -330,6 +354,21 @@ class TrainConfig:
                 raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
             if self.schedule == "1f1b" and mb < self.pp:
                 raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
+
+    def lr_drops(self) -> list[int]:
+        """The steps of `lr_drop_steps`, in order; raises ValueError unless they are
+        increasing positive integers separated by commas ("" gives [])."""
+        steps: list[int] = []
+        for part in self.lr_drop_steps.split(","):
+            part = part.strip()
+            if not part and not self.lr_drop_steps.strip():
+                continue
+            if not (part.isascii() and part.isdigit() and len(part) <= 18) or int(part) < 1:
+                raise ValueError(f"{part!r} is not a step: expected positive integers \"STEP,...\" (e.g. \"600,800\")")
+            if steps and int(part) <= steps[-1]:
+                raise ValueError(f"the steps must increase: {int(part)} follows {steps[-1]}")
+            steps.append(int(part))
+        return steps
 
     def resolved_device(self) -> str:
         """"cpu" or "cuda": `device`, with "auto" decided by whether a GPU is visible."""

@@ -44,7 +44,7 @@ from edgc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank
+from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank, tell_learning_rate
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.emulate import emulate_device_time
@@ -229,7 +229,7 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
 # Per-rank values gathered to rank 0 each step for the per-stage metrics.
 _FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompressed", "sync_start", "sync_end",
            "step_start", "step_end", "forward", "backward", "sync", "entropy", "compress_time", "entropy_time",
-           "compress", "loss", "p2p_bytes")
+           "compress", "loss", "p2p_bytes", "critical_rho", "window_norm", "lr_drop", "noise_scale")
 
 
 def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
@@ -291,6 +291,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
+            tell_learning_rate(hook_state, lr)
             stage.times.reset()
             if stage_mod.compressor is not None:
                 stage_mod.compressor.start_step()
@@ -330,10 +331,11 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 stats.compress_seconds - prev.compress_seconds, stats.entropy_seconds - prev.entropy_seconds,
                 float(stats.step_phase == "compress"), loss if loss is not None else 0.0,
                 _p2p_bytes(cfg, layout, stage_mod, p2p_before),
+                stats.critical_rho, stats.window_norm, float(stats.lr_drop), stats.noise_scale,
             ], dtype=torch.float64, device=device)
             prev = stats
             gathered = [torch.empty_like(mine) for _ in range(world)]
-            # collective (metrics only): all-gather of 19 float64 per rank
+            # collective (metrics only): all-gather of len(_FIELDS) = 23 float64 per rank
             dist.all_gather(gathered, mine)
             rows = [dict(zip(_FIELDS, g.tolist(), strict=True)) for g in gathered]
             record = _record(step, lr, rows, layout, tokens_per_step, float(norm), skipped)
@@ -380,6 +382,9 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         "bytes_sent": int(sum(r["bytes_sent"] for r in replica0)),
         "bytes_uncompressed": int(sum(r["bytes_uncompressed"] for r in replica0)),
         "rank": int(s0["rank"]), "entropy": s0["entropy"], "phase": "compress" if s0["compress"] else "warmup",
+        # stage 0's window signals (its rank drives the DAC)
+        "critical_rho": s0["critical_rho"], "window_norm": s0["window_norm"], "lr_drop": bool(s0["lr_drop"]),
+        "noise_scale": s0["noise_scale"],
         "grad_norm": grad_norm, "skipped": skipped,
         "stage_rank": [int(r["rank"]) for r in replica0],
         "stage_comm_time": [worst(p, "comm_time") for p in range(layout.pp)],

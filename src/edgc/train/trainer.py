@@ -47,7 +47,16 @@ from edgc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from edgc.train.common import DivergenceGuard, TrainingDiverged, lr_at, model_config, param_groups, restore_rank
+from edgc.train.common import (
+    DivergenceGuard,
+    TrainingDiverged,
+    lr_at,
+    model_config,
+    param_groups,
+    restore_rank,
+    tell_learning_rate,
+    window_signals,
+)
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
@@ -455,6 +464,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
+            tell_learning_rate(hook_state, lr)
             t0 = time.perf_counter()
             loss_sum.zero_()
             for micro in range(cfg.grad_accum):
@@ -490,7 +500,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 "bytes_sent": stats.bytes_sent - prev.bytes_sent,
                 "bytes_uncompressed": stats.bytes_uncompressed - prev.bytes_uncompressed,
                 "rank": stats.step_rank, "entropy": stats.entropy, "phase": stats.step_phase,
-                "grad_norm": float(norm), "skipped": skipped,
+                "grad_norm": float(norm), "skipped": skipped, **window_signals(stats),
             }
             prev = stats
             val = None

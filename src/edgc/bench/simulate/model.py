@@ -10,7 +10,7 @@
      r_max with the minimum rate), each with its own latency term, plus the compression
      arithmetic from the `CostProfile` (roofline-modelled or measured);
    - EDGC adds the GDS entropy estimate at β on the shard, amortised by α because it runs
-     every 1/α steps, and its 32-byte control all-reduce on those steps.
+     every 1/α steps, and its 48-byte control all-reduce on those steps.
 3. A step (`StepProjection`): compute + the DP sync exposed after stage 0's last backward.
    In 1F1B stage p finishes its last backward about p·t_mb before stage 0, so the exposed
    sync is max_p(T_p − p·t_mb), with t_mb the backward time of one micro-batch.
@@ -33,6 +33,7 @@ from edgc.bench.comm import ring_allreduce_seconds
 from edgc.bench.simulate.cluster import ClusterSpec
 from edgc.bench.simulate.layout import StageGradients, stage_gradients
 from edgc.bench.simulate.profile import CostProfile
+from edgc.comm.stepsync import CONTROL_LEN
 from edgc.compress import compressible
 from edgc.config import EDGCConfig
 from edgc.models.gpt2 import build_model
@@ -60,8 +61,8 @@ __all__ = [
 PAPER_COMM_REDUCTION = 0.4645
 PAPER_TIME_REDUCTION = 0.1613
 
-# Bytes of the hook's control vector (4 float64 values), all-reduced on entropy steps.
-_CONTROL_BYTES = 32
+# Bytes of the hook's control vector (CONTROL_LEN float64 values), all-reduced on entropy steps.
+_CONTROL_BYTES = 8 * CONTROL_LEN
 
 
 def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
