@@ -45,7 +45,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(sequences(512), batch_size=8, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    state = register_edgc(accelerator, model, EDGCConfig(max_rank=8, warmup_steps=5, window=5))
+    # (optimizer=: the state is told its learning rate before each step, as the "critical" policy needs)
+    state = register_edgc(accelerator, model, EDGCConfig(max_rank=8, warmup_steps=5, window=5), optimizer=optimizer)
     step = 0
     if args.resume:
         accelerator.load_state(args.resume)  # model, optimizer, RNG and each replica's EDGC state

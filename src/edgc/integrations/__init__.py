@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from edgc.comm.hook import EDGCState, EDGCStats, edgc_hook
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
+    from torch.optim import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,26 @@ def _register(ddp: Any, state: EDGCState, world_size: int, who: str, *, wrapper_
                        "every parameter's gradient at every step anyway (%s)", who, unused_hint)
     ddp.register_comm_hook(state, edgc_hook)
     return True
+
+
+def _tell_learning_rate(state: EDGCState, optimizers: Iterable[Optimizer]) -> float | None:
+    """Give `state` the learning rate of the step about to run: the largest rate among the
+    param groups of `optimizers`, as they stand now (before this step's optimizer.step(),
+    so after the scheduler's step for the previous one). Returns that rate, or None (the
+    state told nothing) when no group has one (an optimizer that sizes its own steps,
+    such as Adafactor with lr=None).
+
+    Why the largest: a scheduler scales every group alike, so the largest falls with the
+    rest, while a group held at 0 (frozen) would make the least rate 0 for good, and no
+    later rate could fall below it. So a drop is seen when the fastest group's rate falls.
+    """
+    rates = [float(group["lr"]) for optimizer in optimizers for group in optimizer.param_groups
+             if group.get("lr") is not None]
+    if not rates:
+        return None
+    lr = max(rates)
+    state.set_learning_rate(lr)
+    return lr
 
 
 def _require(module: str, extra: str, what: str) -> None:

@@ -8,7 +8,7 @@ an Accelerate `Accelerator`.
 
     # Accelerate
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    state = register_edgc(accelerator, model, EDGCConfig(max_rank=32))
+    state = register_edgc(accelerator, model, EDGCConfig(max_rank=32), optimizer=optimizer)
     ...
     accelerator.log(log_values(state.stats()), step=step)
     accelerator.save_state(folder)         # and accelerator.load_state(folder) on resume
@@ -16,6 +16,21 @@ an Accelerate `Accelerator`.
 Both register edgc_hook after `prepare` has built the DDP wrapper: Accelerate's
 `DistributedDataParallelKwargs(comm_hook=...)` knows only torch's own hooks and ignores
 any other without an error, and the Trainer builds its wrapper inside train().
+
+The learning rate. Both tell the state the learning rate of each step before its
+backward pass (EDGCState.set_learning_rate; with policy="critical" the window after a
+drop runs at r_max): the largest rate among the optimizer's param groups
+(edgc.integrations._tell_learning_rate), read before the step's optimizer.step(), so
+after the scheduler has stepped for the previous one. The Trainer hands its optimizer
+to every callback event; on_step_begin runs once per optimizer step, before the first
+of its `gradient_accumulation_steps` micro-batches. Accelerate has no per-step event,
+so register_edgc(..., optimizer=optimizer) adds a forward pre-hook on the DDP wrapper:
+each forward reads the rate, and a backward follows its forward. (A step pre-hook on
+the optimizer would come too late: optimizer.step() runs after the backward pass has
+synced the gradient, so each rate would reach the state one step after its gradient,
+and a drop at a window's last step would count in the next window; nor does
+Accelerate's AcceleratedOptimizer take one.) Without `optimizer` the state sees no rate
+unless you call `state.set_learning_rate(lr)`.
 
 Checkpoints. Every replica's state is gathered to rank 0 and written as edgc_state.pt
 in the framework's checkpoint folder (edgc.checkpoint); on resume every replica reads it
@@ -41,11 +56,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from edgc.integrations import _register, _require, log_values
+from edgc.integrations import _register, _require, _tell_learning_rate, log_values
 
 _require("transformers", "hf", "edgc.integrations.hf")
 _require("accelerate", "hf", "edgc.integrations.hf")
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DDPCommunicationHookType  # noqa: E402
@@ -72,14 +88,21 @@ _HINTS = {
 
 
 def register_edgc(accelerator: Accelerator, model: Any, config: EDGCConfig | None = None, *,
-                  process_group: dist.ProcessGroup | None = None) -> EDGCState:
+                  process_group: dist.ProcessGroup | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> EDGCState:
     """Compress `model`'s gradient with EDGC; call it after `accelerator.prepare(model)`.
 
     Registers edgc_hook on the DDP wrapper `prepare` returned, and adds save/load hooks
     to `accelerator` so that `save_state(folder)` writes every replica's EDGC state to
     folder/edgc_state.pt and `load_state(folder)` gives each replica its own (call
-    load_state before the first step after it). Returns the state; send its stats to
-    the trackers with `accelerator.log(log_values(state.stats()), step=step)`.
+    load_state before the first step after it). With `optimizer` (the one `prepare`
+    returned, or the plain one), a forward pre-hook on the wrapper tells the state the
+    optimizer's learning rate before each forward, so before the backward pass whose
+    gradient the hook syncs: the largest rate among its param groups, as the scheduler
+    has left it for this step (the "critical" policy raises the rank after a drop).
+    Without it, call `state.set_learning_rate(lr)` before each backward yourself.
+    Returns the state; send its stats to the trackers with
+    `accelerator.log(log_values(state.stats()), step=step)`.
     """
     handler = accelerator.ddp_handler
     if handler is not None and handler.comm_hook != DDPCommunicationHookType.NO:
@@ -88,6 +111,14 @@ def register_edgc(accelerator: Accelerator, model: Any, config: EDGCConfig | Non
     state = EDGCState(process_group, config)
     if not _register(model, state, accelerator.num_processes, "register_edgc", **_HINTS):
         return state
+    if optimizer is not None:
+        optimizers = [optimizer]
+
+        def tell_learning_rate(module: Any, inputs: Any) -> None:
+            # (every forward, evaluation's too: the rate read is the next step's either way)
+            _tell_learning_rate(state, optimizers)
+
+        model.register_forward_pre_hook(tell_learning_rate)
 
     def save(models: list[Any], weights: list[Any], folder: str) -> None:
         # (every process runs save_state's hooks: the gather is a collective)
@@ -114,6 +145,12 @@ class EDGCTrainerCallback(TrainerCallback):
     `logging_steps`) it adds rank, entropy, phase, compression ratio and bytes sent
     (edgc.integrations.log_values), so they reach log_history, the console and every
     `report_to` integration. `self.state` is the EDGCState.
+
+    At the start of each optimizer step (on_step_begin, once per step whatever
+    `gradient_accumulation_steps`, before the first micro-batch's backward pass) it tells
+    the state the learning rate of the Trainer's optimizer: the largest among its param
+    groups, as the scheduler has left it for this step (set_learning_rate; the
+    "critical" policy raises the rank for the window after a drop).
     """
 
     def __init__(self, config: EDGCConfig | None = None, *, process_group: dist.ProcessGroup | None = None,
@@ -147,6 +184,14 @@ class EDGCTrainerCallback(TrainerCallback):
             return  # (a second train() on the same wrapper)
         _register(trainer.model_wrapped, self.state, args.world_size, "EDGCTrainerCallback", **_HINTS)
         self._ddp = trainer.model_wrapped
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        """Tell the state this step's learning rate (the Trainer steps its scheduler after
+        optimizer.step(), so the optimizer holds this step's rate now)."""
+        optimizer = kwargs.get("optimizer")
+        if optimizer is not None:
+            _tell_learning_rate(self.state, [optimizer])
 
     def _resume(self, args: TrainingArguments, step: int) -> None:
         """Load this replica's state from the checkpoint training resumes from: the folder

@@ -16,6 +16,13 @@ have to be chosen instead of the user's strategy and would still need the other 
 Lightning's own `DDPStrategy(ddp_comm_hook=...)` registers a hook only on CUDA, so on a
 CPU it never runs; the callback registers on every device, inside each worker.
 
+The learning rate. Before each training batch (on_train_batch_start, so before its
+backward pass) the callback tells the state the learning rate of the trainer's
+optimizers: the largest among their param groups (edgc.integrations._tell_learning_rate).
+Lightning steps a scheduler of interval "step" after the optimizer step, so that is the
+rate of the step whose gradient the hook syncs next. With policy="critical" the window
+after a learning-rate drop then runs at r_max.
+
 Checkpoints. Lightning writes what rank 0 holds, so state_dict() gathers every
 replica's EDGC state to rank 0 (a collective: Lightning dumps the checkpoint on every
 rank), and on resume each rank loads its own entry (edgc.checkpoint). A checkpoint of
@@ -31,7 +38,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from edgc.integrations import _register, _require, log_values
+from edgc.integrations import _register, _require, _tell_learning_rate, log_values
 
 _require("lightning", "lightning", "edgc.integrations.lightning")
 
@@ -55,6 +62,12 @@ class EDGCCallback(L.Callback):
     `log_stats`, every training batch logs rank, entropy, phase, compression ratio and
     bytes sent (edgc.integrations.log_values) through `pl_module.log_dict`, so they
     reach whatever logger the Trainer has, at its `log_every_n_steps`.
+
+    Before every training batch it tells the state the learning rate the step will use
+    (EDGCState.set_learning_rate): the largest rate among the param groups of all of
+    `trainer.optimizers` (one optimizer with one group: its rate). A scheduler scales
+    every group alike, so the largest falls with the rest; with several optimizers
+    (manual optimisation) a drop is seen when the fastest one's rate falls.
     """
 
     def __init__(self, config: EDGCConfig | None = None, *, process_group: dist.ProcessGroup | None = None,
@@ -77,6 +90,11 @@ class EDGCCallback(L.Callback):
                                   "(or another DDPStrategy)",
                      unused_hint="use strategy='ddp', whose default is False"):
             self._ddp = ddp
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Tell the state this step's learning rate, before its backward pass."""
+        _tell_learning_rate(self.state, trainer.optimizers)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
