@@ -1,5 +1,6 @@
 """edgc.integrations with the real frameworks on 2 gloo processes: the hook runs,
-replicas stay identical, and a resumed run continues the EDGC state exactly."""
+replicas stay identical, a resumed run continues the EDGC state exactly, and each
+adapter tells the state the learning rate, so that policy "critical" sees a drop."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import torch
 
 from edgc.checkpoint import FILE_NAME
 from harness import assert_same, run_workers
-from integration_workers import accelerate_run, exact_part, lightning_run, shared_part, trainer_run
+from integration_workers import (
+    DROP_AT,
+    DROP_STEPS,
+    accelerate_lr_drop_run,
+    accelerate_run,
+    exact_part,
+    lightning_lr_drop_run,
+    lightning_run,
+    shared_part,
+    trainer_lr_drop_run,
+    trainer_run,
+)
 
 
 def _check_compressed_and_identical(results: list[dict], steps: int) -> None:
@@ -69,3 +81,31 @@ def test_accelerate_helper_trains_saves_and_loads_state(tmp_path):
     assert not (tmp_path / "step-3" / "custom_checkpoint_0.pkl").exists()
     logged = results[0]["logged"]
     assert logged[0]["edgc/compressing"] == 0.0 and logged[-1]["edgc/compressing"] == 1.0
+
+
+def _check_saw_the_drop(results: list[dict], lr: float) -> None:
+    """Each step ran at `lr`, a tenth of it from DROP_AT on; the state saw the drop at the
+    end of the window holding it (steps 5-6) and ran the next window at r_max = 4, where
+    it would run at r_lo = 2 had it not been told the rates; replicas bit-identical."""
+    for r in results:
+        assert r["lrs"] == pytest.approx([lr] * (DROP_AT - 1) + [lr / 10] * (DROP_STEPS - DROP_AT + 1))
+        assert r["stats"].step == DROP_STEPS  # (once per optimizer step)
+        assert [rank for rank, _ in r["signals"]] == [0, 0, 4, 4, 2, 2, 4, 4]
+        assert [drop for _, drop in r["signals"][1::2]] == [False, False, True, False]  # at the window ends
+    assert results[0]["signals"] == results[1]["signals"]
+    assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+@pytest.mark.slow
+def test_lightning_callback_tells_the_learning_rate(tmp_path):
+    _check_saw_the_drop(run_workers(lightning_lr_drop_run, 2, str(tmp_path), timeout=300), lr=0.2)
+
+
+@pytest.mark.slow
+def test_hf_trainer_callback_tells_the_learning_rate_once_per_accumulated_step(tmp_path):
+    _check_saw_the_drop(run_workers(trainer_lr_drop_run, 2, str(tmp_path), timeout=300), lr=1e-2)
+
+
+@pytest.mark.slow
+def test_accelerate_helper_tells_the_optimizers_learning_rate(tmp_path):
+    _check_saw_the_drop(run_workers(accelerate_lr_drop_run, 2, str(tmp_path), timeout=300), lr=0.2)

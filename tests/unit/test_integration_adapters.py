@@ -1,5 +1,6 @@
-"""edgc.integrations in one process: the logged values, an ImportError that names the
-missing extra, and a clear error where a framework would register a second hook."""
+"""edgc.integrations in one process: the logged values, the learning rate told to the
+state, an ImportError that names the missing extra, and a clear error where a framework
+would register a second hook."""
 
 import math
 import sys
@@ -7,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from edgc.comm.hook import EDGCStats
-from edgc.integrations import log_values
+from edgc.comm.hook import EDGCState, EDGCStats
+from edgc.config import EDGCConfig
+from edgc.integrations import _tell_learning_rate, log_values
 
 
 def test_log_values_are_floats_and_leave_out_an_unknown_entropy():
@@ -19,6 +21,19 @@ def test_log_values_are_floats_and_leave_out_an_unknown_entropy():
                                  "edgc/bytes_sent": 100.0}
     stats.entropy, stats.step_phase = -3.5, "warmup"
     assert log_values(stats, prefix="")["entropy"] == -3.5 and log_values(stats)["edgc/compressing"] == 0.0
+
+
+def test_the_learning_rate_told_is_the_largest_of_every_param_group():
+    state = EDGCState(None, EDGCConfig(policy="critical"))
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD([{"params": a.parameters(), "lr": 0.1}, {"params": b.weight, "lr": 0.0},
+                           {"params": b.bias, "lr": torch.tensor(0.3)}])  # (a frozen group, a tensor rate)
+    adam = torch.optim.Adam(a.parameters(), lr=0.2)
+    assert _tell_learning_rate(state, [sgd, adam]) == pytest.approx(0.3)
+    assert state.critical.lr == pytest.approx(0.3)
+    adam.param_groups[0]["lr"] = None  # (an optimizer that sizes its own steps: nothing to tell)
+    assert _tell_learning_rate(state, [adam]) is None and state.critical.lr == pytest.approx(0.3)
+    assert _tell_learning_rate(state, [adam, sgd]) == pytest.approx(0.3)
 
 
 @pytest.mark.parametrize("module, framework, extra", [
