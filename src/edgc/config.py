@@ -30,7 +30,7 @@ from edgc.entropy import ESTIMATORS
 from edgc.policy.cqm import METHODS as CQM_METHODS
 from edgc.policy.schedule import parse_rank_schedule
 
-POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule", "critical")
+POLICIES = ("cqm", "linear", "static", "budget", "spectral", "schedule", "critical", "noise")
 #: Policies that set one rank per group of same-shape matrices.
 GROUP_POLICIES = ("budget", "spectral")
 WARMUP_ERROR_NORMS = ("relative", "l1")
@@ -76,7 +76,9 @@ class EDGCConfig:
     (beyond the paper, after Accordion: r_max while the norm of the window's averaged
     gradient changes by at least `critical_threshold` from one window to the next, and
     for the window after a learning-rate drop, else `critical_low_rank`;
-    edgc.policy.critical)."""
+    edgc.policy.critical), or "noise" (beyond the paper: r_max while the averaged
+    gradient's signal outweighs its noise, and r_max (n/B)^`noise_exponent` once the
+    window's gradient noise scale B exceeds the n replicas' batch; edgc.policy.noise)."""
 
     max_rank: int | None = None
     """Upper rank bound r_max, at most MAX_RANK (65536). None: calibrate it by timing
@@ -129,6 +131,11 @@ class EDGCConfig:
     and the next window runs at r_max (Accordion). In (0, 1). A smooth decay counts as
     a drop only where it halves the rate within one window (default factor)."""
 
+    noise_exponent: float = 0.5
+    """For policy "noise": gamma in r = r_max * min(1, (n / B)^gamma), B the window's
+    gradient noise scale in replica batches and n the replicas (edgc.policy.noise). In
+    (0, 4]; larger drops the rank faster as the noise grows."""
+
     window: int = 1000
     """w: iterations per entropy window; the rank is revisited once per window (paper: 1000)."""
 
@@ -174,6 +181,15 @@ class EDGCConfig:
     Off by default: measured on the tiny GPT-2 (`edgc -v train --steps 200`), eps_max was
     0.078 at the first check (step 13) while eps(r_min) rose from 0.17 to 0.58 by step 195,
     so compression never started. Early gradients are the most low-rank ones here."""
+
+    warmup_max_error: float | None = None
+    """An end of the warm-up decided by the gradient: when set, the warm-up ends at the
+    first check, every round(1/iteration_sample_rate) steps, where the relative error of
+    the best rank-r_max approximation of the gradient (replica-averaged, in the
+    `warmup_error_norm`, which must be "relative") is at most this: compressing at r_max
+    then leaves out at most this share of the gradient's norm. `warmup_steps` becomes the
+    longest the warm-up may last. None: the warm-up lasts `warmup_steps` (then the
+    `warmup_error_check`, when on). In (0, 1]; not with `warmup_error_check`."""
 
     warmup_error_norm: str = "relative"
     """The error the warm-up check compares: "relative" (Frobenius error of the best
@@ -259,6 +275,8 @@ class EDGCConfig:
                 bad("critical_low_rank", f"must not be below {why}; lower min_rank too")
         if not 0.0 < self.lr_drop_factor < 1.0:
             bad("lr_drop_factor", "must be in (0, 1)")
+        if not 0.0 < self.noise_exponent <= 4.0:
+            bad("noise_exponent", "must be in (0, 4]")
         for name, most in (("rank_step", MAX_RANK), ("rank_multiple", MAX_RANK), ("bins", MAX_BINS),
                            ("calibration_repeats", MAX_CALIBRATION_REPEATS)):
             if not 1 <= getattr(self, name) <= most:
@@ -276,6 +294,13 @@ class EDGCConfig:
             bad("spectral_headroom", "must be in [1, 8]")
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be a non-negative integer")
+        if self.warmup_max_error is not None:
+            if not 0.0 < self.warmup_max_error <= 1.0:
+                bad("warmup_max_error", "must be in (0, 1] or None (a fixed warm-up)")
+            if self.warmup_error_check:
+                bad("warmup_max_error", "ends the warm-up by itself: turn warmup_error_check off")
+            if self.warmup_error_norm != "relative":
+                bad("warmup_max_error", 'is a relative error: it needs warmup_error_norm="relative"')
         if self.min_compression_rate < 0:
             bad("min_compression_rate", "must be a non-negative number")
         if self.min_unit_mb < 0:

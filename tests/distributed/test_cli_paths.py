@@ -245,3 +245,29 @@ def test_critical_policy_through_the_cli_raises_the_rank_after_a_step_lr_drop_an
     assert [r["lr_drop"] for r in ends] == [False, False, True, False]
     assert ends[0]["critical_rho"] is None and all(r["critical_rho"] >= 0 for r in ends[1:])
     assert all(r["window_norm"] > 0 for r in ends) and all("noise_scale" in r for r in train)
+
+
+def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exactly(tmp_path, data_dir):
+    from edgc.policy.noise import noise_rank
+    from edgc.policy.window import limit_rank
+
+    # any rank-r_max error passes: the warm-up ends at the first check (step 2, alpha 1/2),
+    # long before its cap of 10 steps; windows of 3 steps, gamma 4 so that the rank moves
+    common = ["--method", "edgc", "--rank", "8", "--steps", "15", "--eval-every", "5", "--checkpoint-every", "5",
+              "--edgc-policy", "noise", "--edgc-noise-exponent", "4", "--edgc-window", "3",
+              "--edgc-iteration-sample-rate", "0.5", "--edgc-warmup-steps", "10", "--edgc-warmup-max-error", "1"]
+    a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 7, 15)  # stopped mid-window
+    assert a == b
+    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    ranks = [r["rank"] for r in train]
+    assert ranks[:2] == [0, 0] and all(r > 0 for r in ranks[2:]) and len(set(ranks[2:])) >= 3, ranks
+    expected, rank = [], 8  # steps 3..15: r_max until the first window end after the start, then the rule
+    for step in range(3, 16):
+        expected.append(rank)
+        if step % 3 == 0:
+            noise = train[step - 1]["noise_scale"]
+            rank = limit_rank(noise_rank(noise, 2, 8, 4.0), rank, r_min=2, r_max=8, step=4, multiple=2)
+    assert ranks[2:] == expected, (ranks, [r["noise_scale"] for r in train[2::3]])
+    proc = _edgc(*_train(data_dir, tmp_path / "bad", "--edgc-warmup-max-error", "0"), cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "edgc train: error: EDGCConfig.warmup_max_error=0.0: must be in (0, 1] or None (a fixed warm-up)"]

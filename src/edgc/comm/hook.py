@@ -76,12 +76,14 @@ from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.comm.windowgrad import WindowGradient
 from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
 from edgc.config import GROUP_POLICIES, EDGCConfig
-from edgc.entropy import is_sampled_step, sample_offsets
+from edgc.entropy import is_sampled_step, sample_offsets, sample_stride
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
 from edgc.policy.critical import CriticalRule, low_rank, noise_scale
+from edgc.policy.noise import noise_rank
 from edgc.policy.schedule import parse_rank_schedule, scheduled_rank
 from edgc.policy.spectral import spectral_rank
+from edgc.policy.window import limit_rank
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,11 @@ _VERSION = 1  # (version-1 states written before "replica" existed load without 
 _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
                   "groups", "generator", "controller", "gate", "calibration", "stats")
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
-# The config fields of the "critical" policy at their defaults, for states written before them.
+# The config fields of the "critical" and "noise" policies and of the gradient-decided warm-up
+# at their defaults, for states written before them.
 _CRITICAL_DEFAULTS = {name: EDGCConfig.__dataclass_fields__[name].default
-                      for name in ("critical_threshold", "critical_low_rank", "lr_drop_factor")}
+                      for name in ("critical_threshold", "critical_low_rank", "lr_drop_factor", "noise_exponent",
+                                   "warmup_max_error")}
 
 
 @dataclass
@@ -205,7 +209,8 @@ class EDGCState:
         self.r_min = config.resolved_min_rank(config.max_rank) if config.max_rank else 0
         self.controller = RankController(config.policy, rank_step=config.rank_step, rank_multiple=config.rank_multiple,
                                          smoothing=config.entropy_smoothing)
-        self.gate = WarmupGate(config.warmup_steps, config.window, config.warmup_error_check)
+        self.gate = WarmupGate(config.warmup_steps, config.window, config.warmup_error_check,
+                               config.warmup_max_error, sample_stride(config.iteration_sample_rate))
         # "critical": the last window's norm and the learning rates given (set_learning_rate),
         # and the window sums of the averaged gradient it (and the noise scale) reads
         self.critical = CriticalRule(config.critical_threshold, config.lr_drop_factor)
@@ -657,10 +662,11 @@ class EDGCState:
         self.step += 1
         step, cfg = self.step, self.config
         # (static, schedule and the per-group policies decide nothing from the gradient's sample, so
-        # they pay nothing for it; "critical" samples it for the noise scale, but needs no entropy)
+        # they pay nothing for it; "critical" and "noise" sample it for the noise scale, but need no
+        # entropy)
         sampled = (cfg.policy not in ("static", "schedule", *GROUP_POLICIES)
                    and is_sampled_step(step, cfg.iteration_sample_rate))
-        want_entropy = sampled and cfg.policy != "critical"
+        want_entropy = sampled and cfg.policy not in ("critical", "noise")
         critical = cfg.policy == "critical"
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         self.step_phase, self.step_rank = self.phase, 0
@@ -705,11 +711,11 @@ class EDGCState:
         self._observe_average(info, control, grads, sums_finite)
         if step % cfg.window == 0:
             self.controller.close_window()
-            critical_rank = self._close_average_window(control)
+            average_rank = self._close_average_window(control)
             if self.phase == "compress" and cfg.policy in GROUP_POLICIES:
                 self._group_decide()
             elif self.phase == "compress" and cfg.policy != "schedule":
-                rank = critical_rank if cfg.policy == "critical" else self.controller.decide()
+                rank = average_rank if cfg.policy in ("critical", "noise") else self.controller.decide()
                 if self.alignment is not None:
                     # the stage exchange waits for stage 0, which may still be in its
                     # backward pass: the pipeline stage calls align() after its sends
@@ -744,15 +750,19 @@ class EDGCState:
                                   accumulate=info.watch_average, small_sq=small_sq)
 
     def _close_average_window(self, control: torch.Tensor | None) -> int:
-        """At a window end: the window's noise scale, and for "critical" the next window's
-        rank (edgc.policy.critical), from the window's norm and the learning-rate drop the
-        replicas agreed in this step's control vector; returns that rank (the rank in use
-        for other policies). In warm-up the rule only records the window."""
+        """At a window end: the window's noise scale; for "critical" the next window's rank
+        (edgc.policy.critical), from the window's norm and the learning-rate drop the
+        replicas agreed in this step's control vector; for "noise" the next window's rank
+        from the noise scale (edgc.policy.noise). Returns that rank (the rank in use for
+        other policies). In warm-up the rules only record the window."""
         cfg = self.config
         norm, noise = self._window_grad.close()
+        window_noise = math.nan
         if noise is not None:
             # (the window's sums: their count cancels in the ratio)
-            self.noise_scale = noise_scale(noise[0], noise[1], self.world_size)
+            window_noise = self.noise_scale = noise_scale(noise[0], noise[1], self.world_size)
+        if cfg.policy == "noise":
+            return self._noise_decide(window_noise)
         if cfg.policy != "critical":
             return self.applied_rank
         assert control is not None  # (issued at every window end of "critical")
@@ -762,6 +772,22 @@ class EDGCState:
         logger.info("EDGC critical: step %s, window gradient norm %.6g, rho %.4g%s -> rank %s%s", self.step, norm,
                     self.critical.rho, ", learning rate dropped" if dropped else "", rank,
                     "" if self.phase == "compress" else " (warm-up: not applied)")
+        return rank
+
+    def _noise_decide(self, window_noise: float) -> int:
+        """The "noise" policy at a window end in the compress phase: the controller's rank
+        moved towards r_max (n / B)^gamma, at most `rank_step` (edgc.policy.noise); kept
+        where the window measured no noise scale. Returns it (the applied rank in warm-up)."""
+        if self.phase != "compress":
+            return self.applied_rank
+        cfg = self.config
+        proposed = noise_rank(window_noise, self.world_size, self.r_max, cfg.noise_exponent)
+        rank = limit_rank(proposed, self.controller.rank, r_min=self.r_min, r_max=self.r_max, step=cfg.rank_step,
+                          multiple=cfg.rank_multiple)
+        logger.info("EDGC noise: step %s, noise scale %.4g replica batches -> rank %s", self.step, window_noise, rank)
+        self.controller.rank = rank
+        self.controller.rank_value = float(rank)
+        self.controller.moves += 1
         return rank
 
     def _unit_plan(self, unit: tuple[int, ...], groups: list[Group]) -> UnitPlan:

@@ -1,0 +1,86 @@
+"""The "noise" rank policy as pure maths (float64, hand-computed values), the warm-up the
+gradient ends (EDGCConfig.warmup_max_error) as a gate fed given errors, and their config."""
+
+import math
+
+import pytest
+
+from edgc import EDGCConfig
+from edgc.policy import WarmupGate
+from edgc.policy.noise import noise_rank
+from edgc.policy.window import limit_rank
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("noise, replicas, exponent, expected", [
+    (1.0, 2, 0.5, 32.0),  # signal outweighs noise: r_max
+    (2.0, 2, 0.5, 32.0),  # B = n exactly: still r_max
+    (8.0, 2, 0.5, 16.0),  # 32 * (2/8)^0.5
+    (32.0, 2, 0.5, 8.0),  # 32 * (1/16)^0.5
+    (8.0, 4, 0.5, 32.0 * 0.5**0.5),  # twice the replicas: less noise in the average, higher rank
+    (8.0, 2, 1.0, 8.0),  # 32 * (2/8)^1
+    (3.0, 2, 2.0, 32.0 * 4.0 / 9.0),
+])
+def test_noise_rank_against_a_hand_computation(noise, replicas, exponent, expected):
+    assert noise_rank(noise, replicas, 32, exponent) == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize("noise, replicas", [(NAN, 2), (INF, 2), (0.0, 2), (-1.0, 2), (4.0, 1)])
+def test_noise_rank_is_nan_where_the_noise_scale_is_unknown(noise, replicas):
+    assert math.isnan(noise_rank(noise, replicas, 32, 0.5))
+
+
+def test_the_rule_after_bounds_rounding_and_rate_limit():
+    # the window decision as the hook makes it: clipped to r_min, rounded, moved at most rank_step
+    def step(noise, current):
+        return limit_rank(noise_rank(noise, 2, 32, 0.5), current, r_min=8, r_max=32, step=4, multiple=2)
+
+    assert step(8.0, 32) == 28  # 16 asked, 4 at most per window
+    assert step(8.0, 18) == 16
+    assert step(1000.0, 10) == 8  # 32 * sqrt(2/1000) = 1.4, floored at r_min
+    assert step(1.0, 20) == 24  # signal-dominated again: back up, 4 at a time
+    assert step(NAN, 20) == 20  # unknown: kept
+    assert step(9.0, 16) == 16  # 15.08 rounds to 16
+
+
+def test_warmup_ends_at_the_first_check_with_a_small_enough_error():
+    gate = WarmupGate(warmup_steps=20, window=8, error_check=False, max_error=0.1, check_every=3)
+    assert [gate.needs_errors(s) for s in range(1, 7)] == [False, False, True, False, False, True]
+    assert not gate.update(1) and not gate.update(2)
+    assert not gate.update(3, eps_rmin=0.5, eps_rmax=0.2)  # too large an error at r_max
+    assert not gate.update(4, eps_rmax=0.01)  # not a check step: ignored
+    assert not gate.update(6, eps_rmin=0.5, eps_rmax=NAN)  # not measured (a non-finite gradient)
+    assert gate.update(9, eps_rmin=0.9, eps_rmax=0.1)  # at most max_error: opens (eps(r_min) plays no part)
+    assert gate.update(10) and not gate.needs_errors(12)
+
+
+def test_warmup_max_error_is_capped_by_warmup_steps():
+    gate = WarmupGate(warmup_steps=7, window=8, error_check=False, max_error=1e-9, check_every=3)
+    assert not gate.update(3, eps_rmax=0.5) and not gate.update(6, eps_rmax=0.5)
+    assert gate.update(7) and not gate.needs_errors(9)
+    assert not WarmupGate(warmup_steps=6, window=8, error_check=False, max_error=0.1, check_every=3).needs_errors(6)
+    # the state holds only whether the gate is open
+    assert gate.state_dict() == {"eps_max": None, "open": True}
+
+
+@pytest.mark.parametrize("values, field", [
+    (dict(noise_exponent=0.0), "noise_exponent"),
+    (dict(noise_exponent=-1.0), "noise_exponent"),
+    (dict(noise_exponent=4.5), "noise_exponent"),
+    (dict(noise_exponent=NAN), "noise_exponent"),
+    (dict(warmup_max_error=0.0), "warmup_max_error"),
+    (dict(warmup_max_error=1.5), "warmup_max_error"),
+    (dict(warmup_max_error=NAN), "warmup_max_error"),
+    (dict(warmup_max_error=0.1, warmup_error_check=True), "warmup_max_error"),
+    (dict(warmup_max_error=0.1, warmup_error_norm="l1"), "warmup_max_error"),
+])
+def test_config_errors_name_the_field(values, field):
+    with pytest.raises(ValueError, match=f"EDGCConfig.{field}="):
+        EDGCConfig(**values)
+
+
+def test_config_defaults():
+    cfg = EDGCConfig(policy="noise", max_rank=32)
+    assert (cfg.noise_exponent, cfg.warmup_max_error) == (0.5, None)
+    assert EDGCConfig(warmup_max_error=1.0).warmup_max_error == 1.0
