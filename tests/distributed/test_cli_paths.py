@@ -76,6 +76,11 @@ def _train(data, out, *extra):
             "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
+def _train_records(run):
+    """The "train" records of a run folder's metrics.jsonl, in order."""
+    return [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+
+
 def _straight_and_resumed(data_dir, tmp_path, common, stop, steps):
     """One run straight through and one stopped at `stop` then resumed to `steps`; returns
     each run's (step, loss, val_loss, rank) records, and the straight run's folder."""
@@ -93,7 +98,7 @@ def test_metrics_show_what_each_step_did(tmp_path, data_dir):
     out = tmp_path / "run"
     assert main(_train(data_dir, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
                        "--edgc-window", "2")) == 0
-    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    train = _train_records(out)
     # steps 1-2 are the warm-up: sent whole (plus the small control vector), at rank 0
     for r in train[:2]:
         assert (r["phase"], r["rank"]) == ("warmup", 0), r
@@ -144,7 +149,7 @@ def test_rank_schedule_through_the_cli_changes_rank_at_its_knots_and_resumes_exa
     common = ["--method", "edgc", "--rank", "8", "--steps", "10", "--eval-every", "5", "--checkpoint-every", "5",
               "--edgc-policy", "schedule", "--edgc-rank-schedule", "0:8,6:4", "--edgc-warmup-steps", "2"]
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 5, 10)
-    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    train = _train_records(straight)
     assert [r["rank"] for r in train] == [0, 0, 8, 8, 8, 4, 4, 4, 4, 4]
     assert a == b
 
@@ -165,7 +170,7 @@ def test_spectral_policy_through_the_cli_sets_per_group_ranks(tmp_path, data_dir
     out = tmp_path / "run"
     assert main(_train(data_dir, out, "--method", "edgc", "--rank", "8", "--steps", "12", "--edgc-policy", "spectral",
                        "--edgc-min-rank", "1", "--edgc-warmup-steps", "2", "--edgc-window", "3")) == 0
-    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    train = _train_records(out)
     ranks = [r["rank"] for r in train[2:]]
     assert ranks[0] == 1 and len(set(ranks)) >= 2, ranks  # starts at r_min, then follows the spectrum
     assert all(r["entropy"] is None for r in train)  # no gradient sample: the factors are the signal
@@ -178,7 +183,7 @@ def test_torch_powersgd_resumes_exactly(tmp_path, data_dir):
     common = ["--method", "torch-powersgd", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",
               "--edgc-warmup-steps", "1"]
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 3, 6)
-    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    train = _train_records(straight)
     assert [r["rank"] for r in train] == [0, 0, 4, 4, 4, 4]
     assert a == b
 
@@ -235,10 +240,9 @@ def test_critical_policy_through_the_cli_raises_the_rank_after_a_step_lr_drop_an
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 8, 12)  # stopped mid-window
     assert a == b
     signals = [[(r["step"], r["critical_rho"], r["window_norm"], r["lr_drop"], r["noise_scale"])
-                for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train"]
-               for d in (straight, tmp_path / "part")]
+                for r in _train_records(d)] for d in (straight, tmp_path / "part")]
     assert signals[0] == signals[1]  # the window sums and the rule's state resumed too
-    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    train = _train_records(straight)
     assert [r["rank"] for r in train] == [0, 8, 8, 8, 8, 8, 4, 4, 4, 8, 8, 8]
     assert [r["lr"] for r in train[5:7]] == [1e-3, pytest.approx(1e-4)]
     ends = train[2::3]  # steps 3, 6, 9, 12
@@ -248,8 +252,7 @@ def test_critical_policy_through_the_cli_raises_the_rank_after_a_step_lr_drop_an
 
 
 def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exactly(tmp_path, data_dir):
-    from edgc.policy.noise import noise_rank
-    from edgc.policy.window import limit_rank
+    from edgc.policy.noise import next_noise_rank
 
     # any rank-r_max error passes: the warm-up ends at the first check (step 2, alpha 1/2),
     # long before its cap of 10 steps; windows of 3 steps, gamma 4 so that the rank moves
@@ -258,7 +261,7 @@ def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exac
               "--edgc-iteration-sample-rate", "0.5", "--edgc-warmup-steps", "10", "--edgc-warmup-max-error", "1"]
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 7, 15)  # stopped mid-window
     assert a == b
-    train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+    train = _train_records(straight)
     ranks = [r["rank"] for r in train]
     assert ranks[:2] == [0, 0] and all(r > 0 for r in ranks[2:]) and len(set(ranks[2:])) >= 3, ranks
     expected, rank = [], 8  # steps 3..15: r_max until the first window end after the start, then the rule
@@ -266,7 +269,7 @@ def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exac
         expected.append(rank)
         if step % 3 == 0:
             noise = train[step - 1]["noise_scale"]
-            rank = limit_rank(noise_rank(noise, 2, 8, 4.0), rank, r_min=2, r_max=8, step=4, multiple=2)
+            rank = next_noise_rank(noise, 2, rank, r_min=2, r_max=8, exponent=4.0, rank_step=4, multiple=2)
     assert ranks[2:] == expected, (ranks, [r["noise_scale"] for r in train[2::3]])
     proc = _edgc(*_train(data_dir, tmp_path / "bad", "--edgc-warmup-max-error", "0"), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import workers
-from edgc.policy.noise import noise_rank
-from edgc.policy.window import limit_rank
+from edgc.policy.noise import next_noise_rank
 from harness import assert_same, run_workers
 
 # r_max 8, r_min 2, windows of 4 steps after a warm-up of 4; gamma 2 so that the toy model's
@@ -24,8 +23,8 @@ def _expected_ranks(signals, world, window=4, start=4, r_max=8, r_min=2, step=2,
     for end in range(start, len(signals) - window + 1, window):
         if end > start:
             noise = signals[end - 1][4]  # (the window that ended at step `end`)
-            rank = limit_rank(noise_rank(noise, world, r_max, gamma), rank, r_min=r_min, r_max=r_max, step=step,
-                              multiple=2)
+            rank = next_noise_rank(noise, world, rank, r_min=r_min, r_max=r_max, exponent=gamma, rank_step=step,
+                                   multiple=2)
         out.append(rank)
     return out
 

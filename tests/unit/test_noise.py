@@ -7,8 +7,7 @@ import pytest
 
 from edgc import EDGCConfig
 from edgc.policy import WarmupGate
-from edgc.policy.noise import noise_rank
-from edgc.policy.window import limit_rank
+from edgc.policy.noise import next_noise_rank, noise_rank
 
 NAN, INF = float("nan"), float("inf")
 
@@ -34,7 +33,7 @@ def test_noise_rank_is_nan_where_the_noise_scale_is_unknown(noise, replicas):
 def test_the_rule_after_bounds_rounding_and_rate_limit():
     # the window decision as the hook makes it: clipped to r_min, rounded, moved at most rank_step
     def step(noise, current):
-        return limit_rank(noise_rank(noise, 2, 32, 0.5), current, r_min=8, r_max=32, step=4, multiple=2)
+        return next_noise_rank(noise, 2, current, r_min=8, r_max=32, exponent=0.5, rank_step=4, multiple=2)
 
     assert step(8.0, 32) == 28  # 16 asked, 4 at most per window
     assert step(8.0, 18) == 16

@@ -80,10 +80,9 @@ from edgc.entropy import is_sampled_step, sample_offsets, sample_stride
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
 from edgc.policy.critical import CriticalRule, low_rank, noise_scale
-from edgc.policy.noise import noise_rank
+from edgc.policy.noise import next_noise_rank
 from edgc.policy.schedule import parse_rank_schedule, scheduled_rank
 from edgc.policy.spectral import spectral_rank
-from edgc.policy.window import limit_rank
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "sl
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
 # The config fields of the "critical" and "noise" policies and of the gradient-decided warm-up
 # at their defaults, for states written before them.
-_CRITICAL_DEFAULTS = {name: EDGCConfig.__dataclass_fields__[name].default
+_LATER_FIELD_DEFAULTS = {name: EDGCConfig.__dataclass_fields__[name].default
                       for name in ("critical_threshold", "critical_low_rank", "lr_drop_factor", "noise_exponent",
                                    "warmup_max_error")}
 
@@ -503,7 +502,7 @@ class EDGCState:
             self._loaded_identity = identity  # checked when the hook binds its group
         # ("whole-step": the only mode before "sync_mode" existed; the "critical" fields came
         # later still, and a state without them ran no such policy)
-        saved_config = {"sync_mode": "whole-step", **_CRITICAL_DEFAULTS, **d["config"]}
+        saved_config = {"sync_mode": "whole-step", **_LATER_FIELD_DEFAULTS, **d["config"]}
         if saved_config != self.config.to_dict():
             changed = sorted(k for k, v in saved_config.items() if self.config.to_dict().get(k) != v)
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values", changed)
@@ -781,9 +780,8 @@ class EDGCState:
         if self.phase != "compress":
             return self.applied_rank
         cfg = self.config
-        proposed = noise_rank(window_noise, self.world_size, self.r_max, cfg.noise_exponent)
-        rank = limit_rank(proposed, self.controller.rank, r_min=self.r_min, r_max=self.r_max, step=cfg.rank_step,
-                          multiple=cfg.rank_multiple)
+        rank = next_noise_rank(window_noise, self.world_size, self.controller.rank, r_min=self.r_min, r_max=self.r_max,
+                               exponent=cfg.noise_exponent, rank_step=cfg.rank_step, multiple=cfg.rank_multiple)
         logger.info("EDGC noise: step %s, noise scale %.4g replica batches -> rank %s", self.step, window_noise, rank)
         self.controller.rank = rank
         self.controller.rank_value = float(rank)

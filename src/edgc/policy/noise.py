@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["noise_rank"]
+from edgc.policy.window import limit_rank
+
+__all__ = ["next_noise_rank", "noise_rank"]
 
 
 def noise_rank(noise: float, replicas: int, r_max: int, exponent: float) -> float:
@@ -42,3 +44,12 @@ def noise_rank(noise: float, replicas: int, r_max: int, exponent: float) -> floa
         return math.nan
     ratio = replicas / noise
     return float(r_max) * min(1.0, ratio**exponent)
+
+
+def next_noise_rank(noise: float, replicas: int, current: int, *, r_min: int, r_max: int, exponent: float,
+                    rank_step: int, multiple: int) -> int:
+    """The next window's rank: `current` moved towards `noise_rank`, clipped to [r_min,
+    r_max], rounded to `multiple` and by at most `rank_step` (limit_rank); `current` where
+    the noise scale is unknown. Changes nothing."""
+    return limit_rank(noise_rank(noise, replicas, r_max, exponent), current, r_min=r_min, r_max=r_max,
+                      step=rank_step, multiple=multiple)
