@@ -1,7 +1,7 @@
-"""StepSync: one step's gradient synchronisation for EDGCState, unit by unit, in one fixed
+"""StepSync: one step's gradient synchronisation for GradientSync, unit by unit, in one fixed
 collective order.
 
-Units. The gradient is synchronised in units, sets of parameter slots (EDGCState numbers
+Units. The gradient is synchronised in units, sets of parameter slots (GradientSync numbers
 the parameters by slot). A unit's round is local arithmetic around at most two
 collectives per gradient dtype in flight at a time:
 
@@ -96,6 +96,8 @@ from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.compress import (
     compressible,
     error_feedback_,
+    lowrank_error_sums,
+    lowrank_errors_from_sums,
     lowrank_l1_error,
     orthogonalize_,
     project_p,
@@ -107,7 +109,7 @@ from edgc.entropy import estimate_entropy, is_sampled_step, sample_into
 from edgc.policy.spectral import effective_ranks
 
 if TYPE_CHECKING:
-    from edgc.comm.hook import EDGCState
+    from edgc.comm.sync import Entry, GradientSync
 
 __all__ = ["Group", "StepInfo", "StepSync", "coarse_units", "dtype_order", "flatten_by_dtype", "scatter",
            "slot_wire_bytes", "working_dtype"]
@@ -143,7 +145,7 @@ class Group:
 
 @dataclass
 class StepInfo:
-    """What EDGCState decided at the start of a step (EDGCState._begin_step)."""
+    """What GradientSync decided at the start of a step (GradientSync._begin_step)."""
 
     step: int
     compressed: bool  # low-rank round (else every unit is all-reduced whole)
@@ -234,14 +236,14 @@ class _PartPlan:
     """The matrices of one group that a unit holds."""
 
     group: Group
-    column: int  # the group's position in EDGCState.groups (its column of the window sums)
+    column: int  # the group's position in GradientSync.groups (its column of the window sums)
     index: slice | torch.Tensor  # their positions in the group: a slice when consecutive
     slots: list[int]  # their slots, in group order
 
 
 @dataclass
 class UnitPlan:
-    """What a unit sends whole and what it compresses; cached per unit by EDGCState."""
+    """What a unit sends whole and what it compresses; cached per unit by GradientSync."""
 
     slots: tuple[int, ...]  # in slot order
     uncompressed: list[int]  # slots sent whole, in slot order
@@ -290,21 +292,22 @@ class _Round:
     parts: list[_Part] = field(default_factory=list)
     p_flats: list[torch.Tensor] = field(default_factory=list)
     q_flats: list[torch.Tensor] = field(default_factory=list)
-    works: list[Any] = field(default_factory=list)  # EDGCState._Issued of the collectives in flight
+    works: list[Any] = field(default_factory=list)  # GradientSync._Issued of the collectives in flight
     call: int = 0  # the hook call that issued them
 
 
 class StepSync:
-    """One step of EDGCState's hook: takes DDP's buckets one by one (`add`), issues the
+    """One step of GradientSync's hook: takes DDP's buckets one by one (`add`), issues the
     step's collectives in the fixed order the module doc describes, and completes each
     bucket's future with its averaged buffer. `finish` is called at the last bucket."""
 
-    def __init__(self, state: EDGCState, pipelined: bool) -> None:
+    def __init__(self, state: GradientSync, pipelined: bool) -> None:
         self.state = state
         self.pipelined = pipelined  # slots are known at the first bucket: start units as they arrive
-        self.whole = state.config.sync_mode == "whole-step"
+        self.eager = state.eager  # each buffer is one unit, averaged in its own call
+        self.whole = state.config.sync_mode == "whole-step" and not self.eager
         self.call = 0
-        self.buckets: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
+        self.buckets: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] = []
         self.grads: dict[int, torch.Tensor] = {}  # slot -> its gradient, a view of its bucket
         self.owner: dict[int, int] = {}  # slot -> its bucket in this step
         self.left: list[int] = []  # per bucket: slots not yet averaged
@@ -313,7 +316,7 @@ class StepSync:
         self.started = 0  # units[:started] are under way
         self.in_p: list[_Round] = []  # P issued, not finished
         self.in_q: list[_Round] = []  # last collective issued, not completed
-        self.info: StepInfo  # what EDGCState decided for this step (set by _begin)
+        self.info: StepInfo  # what GradientSync decided for this step (set by _begin)
         self.step_comm = LapSum()  # this step's time waiting for collectives (the DAC's T(r))
         self.plain_lap: Lap | None = None
         if pipelined:
@@ -321,19 +324,23 @@ class StepSync:
 
     # ------------------------------------------------------------------ DDP's side
 
-    def add(self, buffer: torch.Tensor, params: list[torch.Tensor], future: torch.futures.Future) -> None:
-        """Take DDP's next bucket; in the pipelined mode, start and finish units."""
+    def add(self, buffer: torch.Tensor, entries: Sequence[Entry], future: torch.futures.Future) -> None:
+        """Take the next bucket; in the pipelined mode, start and finish units; eager,
+        average it before returning."""
         self.call += 1
-        self.buckets.append((buffer, params, future))
+        self.buckets.append((buffer, entries, future))
         if not self.pipelined:
             return  # (whole-step: everything happens at the last bucket)
-        slots = self.state._bucket_views(buffer, params, self.grads)
+        slots = self.state._bucket_views(buffer, entries, self.grads)
         self._arrive(len(self.buckets) - 1, slots, buffer)
-        self._advance()
+        if self.eager:
+            self._drain()
+        else:
+            self._advance()
 
     def finish(self) -> None:
         """At the last bucket: start what is left, drain every round, agree the control
-        values, commit the step and let EDGCState decide."""
+        values, commit the step and let GradientSync decide."""
         state = self.state
         if not self.pipelined:
             grads, layout = state._assign_slots(self.buckets)
@@ -354,26 +361,20 @@ class StepSync:
         pending = self._control(grads)
         if not info.compressed and not state.calibration["done"]:
             self.plain_lap = start_lap(state.device)
-        self._start_ready()
+        self._drain()
         if self.started != len(self.units):
             raise RuntimeError("EDGC: the step's units do not cover its parameters")  # (a corrupt plan)
-        for r in self.in_p:
-            self._finish_p(r)
-        self.in_p = []
-        for r in self.in_q:
-            self._complete(r)
-        self.in_q = []
         if self.plain_lap is not None:
             self.plain_lap.stop()
         control = None
         if pending is not None:
             control, work = pending
             state._wait([work])
-            control[ENTROPY:] /= state.world_size
+            control[ENTROPY:] /= state.control_size
         finite = self._commit() if info.compressed else True
         if len(self.layout) > 1:
             state._units = self.layout  # the units from the next step on (see "The plan")
-        state._end_step(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap)
+        state._end_step(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap, self.average)
 
     def fail(self, exc: BaseException) -> None:
         """Hand `exc` to every bucket future not completed yet (nobody waits forever)."""
@@ -387,18 +388,27 @@ class StepSync:
         state = self.state
         self.info = info = state._begin_step()
         self.groups = groups = list(state.groups.values()) if info.compressed else []
-        self.units = [] if (self.whole or not state._units) else list(state._units)
+        plan = state._units if not self.eager else None  # (eager: each buffer is its own unit)
+        self.units = [] if (self.whole or not plan) else list(plan)
         if self.units and state.config.min_unit_mb > 0:  # (see "Coarse units")
             sizes = slot_wire_bytes(state.slot_shapes, state._slot_dtypes, groups)
             self.units = coarse_units(self.units, sizes, state.config.min_unit_mb * 1e6)
-        self.bucket_units = not self.whole and not state._units  # DDP's buckets are the units
+        self.bucket_units = not self.whole and not plan  # the buckets are the units
+        # eager: the warm-up check's sums over the local gradient, buffer by buffer
+        # (edgc.compress.lowrank_error_sums), and the averaged gradient's sample, taken as
+        # each buffer is averaged (the framework may change a buffer once handed back)
+        self.error_sums: list[float] | None = None
+        self.average: torch.Tensor | None = None
         self.ok = torch.ones((), dtype=torch.bool, device=state.device)  # every sum so far finite
         self.local_finite = torch.ones((), dtype=torch.bool, device=state.device)  # this replica's gradient
         self.sample = None
-        if info.want_sample:
+        if info.want_sample or (self.eager and info.watch_average):
             offsets, dtype = state._sample_layout()
-            self.sample = torch.empty(offsets[-1], dtype=dtype, device=state.device)
             self.sample_at = offsets
+            if info.want_sample:
+                self.sample = torch.empty(offsets[-1], dtype=dtype, device=state.device)
+            if self.eager:
+                self.average = torch.empty(offsets[-1], dtype=dtype, device=state.device)
         self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
         self.next_q: dict[int, torch.Tensor] = {}
         # (2, groups) float64 sums of the per-group policies, added to the window's at the
@@ -422,8 +432,20 @@ class StepSync:
             rate = state.config.gradient_sample_rate
             for s in slots:
                 sample_into(self.sample[self.sample_at[s] : self.sample_at[s + 1]], self.grads[s], rate)
+        if self.eager and info.want_errors:
+            self._add_error_sums(slots)
         if self.bucket_units:
             self.units.append(slots)
+
+    def _drain(self) -> None:
+        """Start every unit whose slots have arrived and finish every round in flight."""
+        self._start_ready()
+        for r in self.in_p:
+            self._finish_p(r)
+        self.in_p = []
+        for r in self.in_q:
+            self._complete(r)
+        self.in_q = []
 
     def _advance(self) -> None:
         """The fixed lag of the pipelined mode (see the module doc)."""
@@ -557,6 +579,10 @@ class StepSync:
         for flat, slots in r.flats:
             flat.div_(state.world_size)
             scatter(flat, [self.grads[s] for s in slots])
+        if self.average is not None:
+            rate = state.config.gradient_sample_rate
+            for s in r.plan.slots:
+                sample_into(self.average[self.sample_at[s] : self.sample_at[s + 1]], self.grads[s], rate)
         self._done(r.plan.slots)
 
     # ------------------------------------------------------------------ the step's end
@@ -582,7 +608,12 @@ class StepSync:
             control[GRAD_SQ] = float(torch.linalg.vector_norm(self.sample, dtype=torch.float64).square())
         if info.want_lr_drop:
             control[LR_DROP] = float(state.critical.lr_dropped())
-        if info.want_errors:
+        if info.want_errors and self.eager:
+            eps = lowrank_errors_from_sums(self.error_sums, cfg.warmup_error_norm)
+            if cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
+                eps = [e / info.scale for e in eps]
+            control[EPS_MIN], control[EPS_MAX] = eps
+        elif info.want_errors:
             mats = [g for s, g in enumerate(grads)
                     if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
             if not mats:
@@ -595,7 +626,17 @@ class StepSync:
         state._entropy.add(lap.stop())
         # collective: all-reduce SUM of CONTROL_LEN = 6 float64 values (48 bytes), issued at the
         # last bucket (pipelined: after every unit's P) and waited for at the end of the step
-        return control, state._all_reduce(control, async_op=True, device_copy=state.device)
+        return control, state._all_reduce(control, async_op=True, device_copy=state.device, control=True)
+
+    def _add_error_sums(self, slots: Sequence[int]) -> None:
+        """Eager warm-up check: add a buffer's compressible matrices, before they are
+        averaged, to the step's error sums."""
+        state, cfg = self.state, self.state.config
+        mats = [self.grads[s] for s in slots
+                if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
+        sums = lowrank_error_sums(mats, [state.r_min, state.r_max], cfg.warmup_error_norm)
+        self.error_sums = sums if self.error_sums is None else [a + b for a, b in zip(self.error_sums, sums,
+                                                                                       strict=True)]
 
     def _commit(self) -> bool:
         """Keep the step's new error feedback and Q if every sum was finite; returns

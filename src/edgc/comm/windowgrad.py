@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,18 +48,22 @@ class WindowGradient:
         self.noise: torch.Tensor | None = None  # (2,) float64: Σ |G_small|², Σ |G_big|² of sampled steps
 
     def observe(self, grads: Sequence[torch.Tensor], offsets: Sequence[int], dtype: torch.dtype, rate: float,
-                scale: float, finite: torch.Tensor, *, accumulate: bool, small_sq: float | None) -> None:
+                scale: float, finite: torch.Tensor, *, accumulate: bool, small_sq: float | None,
+                sample: torch.Tensor | None = None) -> None:
         """Add one step's averaged gradient `grads` (slot order, in units of `scale`, the
         loss scale) to the window: its sample to `total` when `accumulate`, and with
         `small_sq` (|G_small|^2 agreed over replicas; None: not measured this step) both
         squared norms to `noise`. `finite` (a device bool) says whether the step's sums were
-        finite; the sample is checked too. Changes nothing when neither is asked for."""
+        finite; the sample is checked too. `sample`: the average's sample taken already (an
+        eager synchroniser takes it buffer by buffer), used instead of sampling `grads`; it
+        is changed in place. Changes nothing when neither is asked for."""
         if not accumulate and small_sq is None:
             return
         device = grads[0].device
-        sample = torch.empty(offsets[-1], dtype=dtype, device=device)  # (S,)
-        for g, (start, end) in zip(grads, itertools.pairwise(offsets), strict=True):
-            sample_into(sample[start:end], g, rate)
+        if sample is None:
+            sample = torch.empty(offsets[-1], dtype=dtype, device=device)  # (S,)
+            for g, (start, end) in zip(grads, itertools.pairwise(offsets), strict=True):
+                sample_into(sample[start:end], g, rate)
         if scale != 1.0:
             sample.div_(scale)
         ok = finite & torch.isfinite(sample).all()  # (on the device)
@@ -78,18 +82,31 @@ class WindowGradient:
             both.masked_fill_(~ok, 0.0)
             self.noise = both if self.noise is None else self.noise.to(device) + both
 
-    def close(self) -> tuple[float, tuple[float, float] | None]:
+    def close(self, agree: Callable[[torch.Tensor], None] | None = None) -> tuple[float, tuple[float, float] | None]:
         """End the window: returns (N, the norm of its mean sampled gradient, nan without
         finite steps or sums; (Σ |G_small|², Σ |G_big|²) or None without sampled steps),
-        and starts the next window empty. One host read."""
+        and starts the next window empty. One host read.
+
+        `agree`: where each process holds only a part of the gradient (a shard, under
+        HSDP), a function that averages a float64 CPU vector in place over every process
+        that must decide alike. The squared norms and counts are then averaged before the
+        division, so every shard reads the same N and noise scale (each a ratio or a norm
+        in which the shards' common factor cancels or is shared)."""
         norm, noise = math.nan, None
         values = []
         if self.total is not None and self.steps is not None:
-            values += [torch.linalg.vector_norm(self.total), self.steps]
+            total = torch.linalg.vector_norm(self.total)
+            values += [total.square() if agree is not None else total, self.steps]
         if self.noise is not None:
             # (a state loaded just before a window end may still hold it on the CPU)
             values += [*self.noise.to(values[0].device if values else self.noise.device)]
         read = torch.stack(values).tolist() if values else []
+        if agree is not None and read:
+            agreed = torch.tensor(read, dtype=torch.float64)
+            agree(agreed)
+            read = agreed.tolist()
+            if self.total is not None:
+                read[0] = math.sqrt(max(read[0], 0.0))
         if self.total is not None and self.steps is not None:
             total_norm, steps = read[:2]
             norm = total_norm / steps if steps > 0 else math.nan

@@ -118,6 +118,45 @@ def _as_matrix(t: torch.Tensor) -> torch.Tensor:
     return a if a.dtype in (torch.float32, torch.float64) else a.float()
 
 
+def lowrank_error_sums(matrices: list[torch.Tensor], ranks: list[int], norm: str = "relative") -> list[float]:
+    """The sums behind the error of the best rank-r approximation of each matrix, for
+    each r in `ranks`, so that the matrices can be taken a few at a time and added up:
+    `norm` "relative": [sum_i sum_{j>r} s_ij^2 for each r, then sum_i sum_j s_ij^2], from the
+    singular values s_ij of matrix i (Eckart-Young-Mirsky), one SVD per matrix; "l1":
+    [sum_i |A_i - A_i,r| for each r, then sum_i numel(A_i)], from a truncated SVD.
+    In float32 or better, summed in float64; `lowrank_errors_from_sums` finishes them."""
+    if norm not in ("relative", "l1"):
+        raise ValueError(f'norm must be "relative" or "l1", got {norm!r}')
+    tail = [0.0] * len(ranks)
+    total = 0.0
+    for mat in matrices:
+        a = _as_matrix(mat)
+        if norm == "relative":
+            s2 = torch.linalg.svdvals(a).double().pow(2)  # (min(m, n),)
+            total += float(s2.sum())
+            for k, r in enumerate(ranks):
+                tail[k] += float(s2[r:].sum())
+        else:
+            u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (m, k), (k,), (k, n)
+            for k, r in enumerate(ranks):
+                approx = (u[:, :r] * s[:r]) @ vh[:r]  # (m, n)
+                tail[k] += float((a - approx).abs().sum())
+            total += a.numel()
+    return [*tail, total]
+
+
+def lowrank_errors_from_sums(sums: list[float] | None, norm: str = "relative") -> list[float]:
+    """The errors from `lowrank_error_sums` (added over any number of calls; None: no
+    matrices): "relative" the relative Frobenius error sqrt(tail / total), "l1" the mean
+    absolute error per element tail / total; nan for every rank when total is 0."""
+    if sums is None:
+        return [float("nan")] * 2
+    *tail, total = sums
+    if total == 0.0:
+        return [float("nan")] * len(tail)
+    return [(t / total) ** 0.5 for t in tail] if norm == "relative" else [t / total for t in tail]
+
+
 def relative_lowrank_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[float]:
     """Relative Frobenius error of the best rank-r approximation, aggregated over matrices.
 
@@ -125,17 +164,7 @@ def relative_lowrank_error(matrices: list[torch.Tensor], ranks: list[int]) -> li
     are the singular values of matrix i (Eckart-Young-Mirsky). Computed exactly with one
     SVD per matrix, in float32 or better. Returns one value per rank; nan if all are zero.
     """
-    tail = [0.0] * len(ranks)
-    total = 0.0
-    for mat in matrices:
-        a = _as_matrix(mat)
-        s2 = torch.linalg.svdvals(a).double().pow(2)  # (min(m, n),)
-        total += float(s2.sum())
-        for k, r in enumerate(ranks):
-            tail[k] += float(s2[r:].sum())
-    if total == 0.0:
-        return [float("nan")] * len(ranks)
-    return [(t / total) ** 0.5 for t in tail]
+    return lowrank_errors_from_sums(lowrank_error_sums(matrices, ranks, "relative"), "relative")
 
 
 def lowrank_l1_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[float]:
@@ -145,15 +174,4 @@ def lowrank_l1_error(matrices: list[torch.Tensor], ranks: list[int]) -> list[flo
     In gradient units (not relative): it shrinks as the gradient does. Computed in float32
     or better; nan when there are no elements.
     """
-    total = [0.0] * len(ranks)
-    count = 0
-    for mat in matrices:
-        a = _as_matrix(mat)
-        u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (m, k), (k,), (k, n)
-        for i, r in enumerate(ranks):
-            approx = (u[:, :r] * s[:r]) @ vh[:r]  # (m, n)
-            total[i] += float((a - approx).abs().sum())
-        count += a.numel()
-    if count == 0:
-        return [float("nan")] * len(ranks)
-    return [t / count for t in total]
+    return lowrank_errors_from_sums(lowrank_error_sums(matrices, ranks, "l1"), "l1")

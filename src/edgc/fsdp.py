@@ -1,0 +1,262 @@
+"""EDGC for FSDP2 and HSDP: shard inside a node, compress only the inter-node sync.
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from edgc import EDGCConfig
+    from edgc.fsdp import register_edgc
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = register_edgc(model, mesh, EDGCConfig(max_rank=32))
+
+How it fits FSDP2. A module sharded over the 1-D "shard" mesh reduce-scatters its
+gradient inside the node and runs no all-reduce of its own: its
+`FSDPModule.set_all_reduce_hook` hook is then the only step across nodes (torch calls
+this layout "custom HSDP"). register_edgc sets that hook on every FSDPModule. FSDP hands
+the hook the module's reduce-scatter output, one flat buffer holding each parameter's
+dim-0 shard padded to ceil(dim0 / S) rows, in the module's parameter order; the hook
+must average it over the replicate group, in place, before it returns. A 2-D shard is a
+block of rows, a matrix, so the compression core (edgc.comm.sync.GradientSync, the one
+behind the DDP hook) takes each buffer as it is, in its eager mode: error feedback,
+warm-started Q, every policy, the GDS entropy and the warm-up, with the collectives on
+the replicate group and the decisions agreed over the whole mesh, so every shard
+compresses at the same rank. Padding rows are zero in every replica's gradient and stay
+zero through P, Q and the error feedback.
+
+Gradient accumulation. On a 1-D shard mesh FSDP calls the hook on every micro-batch that
+reduce-scatters. Call `model.set_requires_all_reduce(False)` before the micro-batches that
+should not sync and `set_requires_all_reduce(True)` before the last, exactly as with
+native HSDP: on the others the hook keeps the reduce-scatter output in a local sum (and
+hands FSDP zeros), and the syncing micro-batch sends the whole sum, as native HSDP does.
+`model.set_requires_gradient_sync(False)` (no reduce-scatter at all) needs nothing.
+
+Checkpoints. `state.state_dict()` holds this process's error feedback, Q and policy state
+under a key of its own global rank, as one opaque value, beside the layout; saved with
+`torch.save` per rank or with `torch.distributed.checkpoint` inside the app state, every
+rank's value is kept (DCP stores each rank's own key), and `load_state_dict` takes it
+back, refusing a checkpoint of another replicate × shard layout and naming both. A
+checkpoint is taken between optimiser steps: a local accumulation sum is not in it.
+
+Refused before the first step, with the reason: a model with no FSDPModule, one sharded on
+the 2-D mesh (native HSDP: its own all-reduce would run too), a module with several
+parameter groups, parameters sharded on a dim other than 0, a mesh without the named
+dimensions, a shard mesh other than the given one, and `max_rank=None` (calibration times
+the whole local gradient at once). At a step: a buffer whose size differs from the layout
+worked out from the parameters (a parameter without a gradient: every one needs one).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from edgc.comm.sync import EDGCStats, Entry, GradientSync
+from edgc.config import EDGCConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EDGCFSDPState", "register_edgc"]
+
+_FORMAT = "edgc-fsdp-state"
+
+
+@dataclass
+class _Module:
+    """One hooked FSDPModule: its parameter group and its buffer's layout."""
+
+    name: str
+    group: Any  # torch's FSDPParamGroup (its all_reduce_grads flag is read at every call)
+    entries: list[Entry]  # ((module index, parameter index), padded shard shape), in buffer order
+    numel: int  # the buffer's size
+    accumulated: torch.Tensor | None = None  # local sum of micro-batches not synced yet
+
+
+class EDGCFSDPState:
+    """The EDGC state of one FSDP2 model: the compression core and one hook per
+    FSDPModule (built by register_edgc). `stats()`, `state_dict()`, `load_state_dict()`,
+    `set_grad_scale()` and `set_learning_rate()` behave as EDGCState's."""
+
+    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int], coords: tuple[int, int]):
+        self._modules = modules
+        self.sync = sync
+        self.layout = layout  # (replicate, shard) sizes
+        self.coords = coords  # this process's (replicate, shard) index
+        self._calls = 0  # modules synced so far in this step
+        self._accumulating = False
+
+    @property
+    def config(self) -> EDGCConfig:
+        return self.sync.config
+
+    def stats(self) -> EDGCStats:
+        """This process's counters; bytes are those handed to collectives across the
+        replicate group (the inter-node wire), and bytes_uncompressed what native HSDP's
+        all-reduce of the same shards would have sent."""
+        return self.sync.stats()
+
+    def set_grad_scale(self, scale: float) -> None:
+        self.sync.set_grad_scale(scale)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.sync.set_learning_rate(lr)
+
+    def _key(self) -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"format", "layout": [replicate, shard], "rank<global rank>": this process's
+        compression state as bytes}: see the module doc."""
+        blob = io.BytesIO()
+        torch.save(self.sync.state_dict(), blob)
+        return {"format": _FORMAT, "layout": list(self.layout), self._key(): blob.getvalue()}
+
+    def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True) -> None:
+        """Restore this process's state from state_dict() (or a DCP load into it), before
+        the first step. Raises ValueError on another layout, naming both, or a state
+        without this rank's entry."""
+        if not isinstance(d, dict) or d.get("format") != _FORMAT:
+            raise ValueError(f"not an EDGC FSDP state dict (missing format marker {_FORMAT!r})")
+        saved = tuple(int(x) for x in d["layout"])
+        if saved != self.layout:
+            raise ValueError(f"EDGC FSDP state was saved by a layout of {saved[0]} replicas x {saved[1]} shards, "
+                             f"but this job has {self.layout[0]} replicas x {self.layout[1]} shards; error "
+                             "feedback is per shard and cannot be remapped")
+        key = self._key()
+        if key not in d:
+            raise ValueError(f"EDGC FSDP state dict has no entry for this process ({key})")
+        inner = torch.load(io.BytesIO(d[key]), weights_only=False)
+        self.sync.load_state_dict(inner, strict_replica=strict_replica)
+
+    def _hook(self, index: int, output: torch.Tensor) -> None:
+        """FSDP's all-reduce hook of module `index`: average `output` over the replicate
+        group in place (or keep it for a later micro-batch)."""
+        module = self._modules[index]
+        if output.numel() != module.numel:
+            raise ValueError(
+                f"EDGC: FSDP handed module {module.name!r} a gradient buffer of {output.numel()} elements, but its "
+                f"parameters' shards make {module.numel}; every parameter needs a gradient in every step")
+        if not module.group.all_reduce_grads:  # set_requires_all_reduce(False): keep it for later
+            if module.accumulated is None:
+                module.accumulated = output.detach().clone()
+            else:
+                module.accumulated.add_(output)
+            output.zero_()
+            self._accumulating = True
+            return
+        if module.accumulated is not None:
+            output.add_(module.accumulated)
+            module.accumulated = None
+        self._calls += 1
+        last = self._calls == len(self._modules)
+        if last:
+            self._calls = 0
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.sync.receive(output, module.entries, future, last)
+        if not future.done():  # (the eager core completes every buffer in its own call)
+            raise RuntimeError("EDGC: a module's gradient was not averaged within FSDP's hook")
+
+
+def _mesh_groups(mesh: DeviceMesh, replicate: str, shard: str) -> tuple[DeviceMesh, DeviceMesh]:
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or replicate not in names or shard not in names:
+        raise ValueError(f"register_edgc needs a 2-D DeviceMesh with dimensions named {replicate!r} and {shard!r} "
+                         f"(init_device_mesh(..., mesh_dim_names=({replicate!r}, {shard!r}))); got dimensions "
+                         f"{names or None} of shape {tuple(mesh.shape)}")
+    return mesh[replicate], mesh[shard]
+
+
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None = None, *,
+                  replicate_dim: str = "replicate", shard_dim: str = "shard") -> EDGCFSDPState:
+    """Hook EDGC into every FSDPModule of `model`, sharded with
+    `fully_shard(module, mesh=mesh[shard_dim])`; returns the state (stats, checkpoints).
+
+    Gradients are averaged across `mesh[replicate_dim]`, compressed after the warm-up;
+    the rank is agreed over the whole mesh. Call it once, after fully_shard and before the
+    first backward pass, on every process of the mesh (it creates a process group when
+    the mesh is not the whole world). Raises ValueError on a layout it cannot serve (see
+    the module doc).
+    """
+    from torch.distributed.fsdp import FSDPModule  # (torch >= 2.6)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    config = config if config is not None else EDGCConfig()
+    if not isinstance(config, EDGCConfig):
+        raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
+    config.validate()
+    if config.max_rank is None:
+        raise ValueError("register_edgc needs max_rank set: calibrating r_max times the whole local gradient "
+                         "at once, and FSDP hands it over module by module")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("register_edgc needs torch.distributed initialised (init_process_group or torchrun)")
+    replicate_mesh, shard_mesh = _mesh_groups(mesh, replicate_dim, shard_dim)
+    shard_ranks = _ranks(shard_mesh.get_group())
+    modules: list[_Module] = []
+    dtypes: list[torch.dtype] = []
+    hooked: list[Any] = []  # FSDPModules  # (in the order of `modules`)
+    fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        raise ValueError("register_edgc found no FSDPModule in the model: shard it with "
+                         f"fully_shard(module, mesh=mesh[{shard_dim!r}]) first")
+    for name, m in fsdp_modules:
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        label = name or "<root>"
+        if len(groups) > 1:
+            raise ValueError(f"FSDPModule {label!r} has {len(groups)} parameter groups (a per-parameter mesh); "
+                             "register_edgc needs one group per module")
+        if not groups:
+            continue  # (no parameters of its own: FSDP calls no hook for it)
+        group = groups[0]
+        if isinstance(group.mesh_info, DDPMeshInfo):
+            raise ValueError(f"FSDPModule {label!r} is sharded on the 2-D mesh (native HSDP), whose own all-reduce "
+                             "would run as well and double the traffic; shard it with "
+                             f"fully_shard(module, mesh=mesh[{shard_dim!r}])")
+        sharded_over = _ranks(group.mesh_info.mesh.get_group())
+        if sharded_over != shard_ranks:
+            raise ValueError(f"FSDPModule {label!r} is sharded over ranks {sharded_over}, "
+                             f"not over mesh[{shard_dim!r}] ({shard_ranks})")
+        entries: list[Entry] = []
+        index = len(modules)
+        for k, fp in enumerate(group.fsdp_params):
+            if fp.fsdp_placement.dim != 0:
+                raise ValueError(f"parameter {fp._param_fqn!r} is sharded on dim {fp.fsdp_placement.dim}; "
+                                 "register_edgc needs dim-0 shards (the default)")
+            key: Hashable = (index, k)
+            entries.append((key, tuple(int(x) for x in fp.padded_sharded_param_size)))
+        numel = sum(int(torch.Size(shape).numel()) for _, shape in entries)
+        mp = m._get_fsdp_state()._mp_policy
+        dtypes.append(mp.reduce_dtype or group.fsdp_params[0].sharded_param.dtype)
+        modules.append(_Module(label, group, entries, numel))
+        hooked.append(m)
+    world = dist.get_world_size()
+    mesh_ranks = mesh.mesh.flatten().tolist()
+    control = dist.group.WORLD if len(mesh_ranks) == world else dist.new_group(sorted(mesh_ranks))
+    sync = GradientSync(replicate_mesh.get_group(), config, control_group=control, eager=True)
+    sync.declare([m.entries for m in modules], dtypes)
+    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size()),
+                          (replicate_mesh.get_local_rank(), shard_mesh.get_local_rank()))
+    for index, m in enumerate(hooked):
+        m.set_all_reduce_hook(_bind_hook(state, index))
+    logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards", len(modules), *state.layout)
+    return state
+
+
+def _bind_hook(state: EDGCFSDPState, index: int) -> Callable[[torch.Tensor], None]:
+    """Module `index`'s hook (a closure: FSDP calls it with the buffer only)."""
+
+    def hook(output: torch.Tensor) -> None:
+        state._hook(index, output)
+    return hook

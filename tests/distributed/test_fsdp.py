@@ -1,0 +1,101 @@
+"""EDGC on FSDP2 / HSDP through edgc.fsdp.register_edgc, as a user's script calls it: 4 gloo
+processes, 2 replicas x 2 shards, a model whose shards are uneven (33-row embedding and
+head, 37-row hidden layers, split 17 + 16)."""
+
+import pytest
+import torch
+
+import fsdp_workers
+from harness import assert_same, run_workers
+
+pytestmark = pytest.mark.slow
+
+# warm-up of 3 steps, windows of 2: the rank moves within a short run
+BASE = dict(max_rank=4, min_rank=2, rank_step=2, window=2, warmup_steps=3, iteration_sample_rate=1.0,
+            warmup_error_check=False, min_compression_rate=1.0, noise_exponent=2.0)
+
+
+def _check_compressed_run(out, steps, warmup=3):
+    """Every shard's replicas agree (full_tensor gathers the shards), one rank decision
+    holds across the mesh, and the steps after the warm-up were compressed."""
+    for r in out[1:]:
+        assert_same(out[0]["params"], r["params"], "params")
+    ranks = [r["ranks"] for r in out]
+    assert all(x == ranks[0] for x in ranks), ranks
+    assert ranks[0][:warmup] == [0] * warmup and all(r > 0 for r in ranks[0][warmup:]), ranks[0]
+    for r in out:
+        stats = r["stats"]
+        assert stats.compressed_steps == steps - warmup and stats.nonfinite_steps == 0
+        assert stats.bytes_sent < stats.bytes_uncompressed
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+
+
+def _untimed(state):
+    """A state dict without its timings (seconds differ between runs)."""
+    stats = {k: v for k, v in state["stats"].items() if not k.endswith("_seconds")}
+    return dict(state, stats=stats)
+
+
+@pytest.mark.parametrize("policy", ["static", "cqm", "noise"])
+def test_edgc_matches_native_hsdp_in_warmup_then_compresses_with_replicas_identical(policy):
+    config = dict(BASE, policy=policy)
+    native = run_workers(fsdp_workers.train, 4, "native", None, 3, timeout=300)
+    warm = run_workers(fsdp_workers.train, 4, "edgc", config, 3, timeout=300)
+    for a, b in zip(native, warm, strict=True):  # bit for bit during the warm-up
+        assert_same(a["params"], b["params"], "params")
+        assert a["losses"] == b["losses"]
+    _check_compressed_run(run_workers(fsdp_workers.train, 4, "edgc", config, 12, timeout=300), 12)
+
+
+def test_edgc_resumes_exactly_mid_window():
+    config = dict(BASE, policy="noise")
+    straight = run_workers(fsdp_workers.train, 4, "edgc", config, 10, {"stop_at": 5}, timeout=300)
+    resumed = run_workers(fsdp_workers.train, 4, "edgc", config, 10,
+                          {"resume": [r["saved"] for r in straight]}, timeout=300)
+    for s, a in zip(straight, resumed, strict=True):
+        assert_same(s["params"], a["params"], "params")
+        assert s["losses"][5:] == a["losses"]
+        assert s["ranks"][5:] == a["ranks"]
+        assert_same(_untimed(s["state"]), _untimed(a["state"]), "state")
+
+
+def test_accumulation_matches_native_hsdp_in_warmup_and_syncs_once_per_step():
+    config = dict(BASE, policy="static")
+    native = run_workers(fsdp_workers.train, 4, "native", None, 3, {"accum": 3}, timeout=300)
+    warm = run_workers(fsdp_workers.train, 4, "edgc", config, 3, {"accum": 3}, timeout=300)
+    for a, b in zip(native, warm, strict=True):
+        assert_same(a["params"], b["params"], "params")
+    out = run_workers(fsdp_workers.train, 4, "edgc", config, 8, {"accum": 3}, timeout=300)
+    _check_compressed_run(out, 8)
+    assert out[0]["stats"].step == 8  # one sync per optimiser step, not per micro-batch
+
+
+def test_bf16_mixed_precision_compresses_with_replicas_identical():
+    config = dict(BASE, policy="cqm")
+    out = run_workers(fsdp_workers.train, 4, "edgc", config, 10, {"dtype": "bfloat16"}, timeout=300)
+    _check_compressed_run(out, 10)
+    assert out[0]["state"]["groups"] and all(g["dtype"] == "bfloat16" for g in out[0]["state"]["groups"])
+    assert all(g["q"].dtype == torch.float32 for g in out[0]["state"]["groups"])  # (float32 arithmetic)
+
+
+def test_state_round_trips_through_distributed_checkpoint(tmp_path):
+    out = run_workers(fsdp_workers.dcp_round_trip, 4, dict(BASE, policy="cqm"), 6, str(tmp_path / "dcp"),
+                      timeout=300)
+    for r in out:
+        assert r["saved"]["groups"]  # (compressing: error feedback and Q to carry)
+        assert_same(r["saved"], r["loaded"], "state")
+    assert not torch.equal(out[0]["saved"]["groups"][0]["error"], out[1]["saved"]["groups"][0]["error"])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("native", "native HSDP"),
+    ("mesh-names", "dimensions named 'replicate' and 'shard'"),
+    ("no-fsdp", "no FSDPModule"),
+    ("calibrate", "max_rank"),
+    ("buffer-size", "every parameter needs a gradient"),
+    ("layout", "2 replicas x 2 shards"),
+])
+def test_refusals_name_the_problem(case, message):
+    out = run_workers(fsdp_workers.refusal, 4, case, timeout=300)
+    for text in out:
+        assert message in text, text
