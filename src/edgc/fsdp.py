@@ -60,12 +60,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from edgc.comm.baselines import NativeHSDPState
 from edgc.comm.sync import EDGCStats, Entry, GradientSync
 from edgc.config import EDGCConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EDGCFSDPState", "register_edgc"]
+__all__ = ["EDGCFSDPState", "count_native_hsdp", "register_edgc"]
 
 _FORMAT = "edgc-fsdp-state"
 
@@ -164,6 +165,21 @@ class EDGCFSDPState:
         self.sync.receive(output, module.entries, future, last)
         if not future.done():  # (the eager core completes every buffer in its own call)
             raise RuntimeError("EDGC: a module's gradient was not averaged within FSDP's hook")
+
+
+def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str = "replicate") -> NativeHSDPState:
+    """Counters for a model sharded natively on the whole 2-D mesh (the baseline): an
+    all-reduce hook on every FSDPModule that only counts the bytes FSDP's own all-reduce
+    across `mesh[replicate_dim]` handled (the hook runs after it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
+    if not hooked:
+        raise ValueError("count_native_hsdp found no FSDPModule with parameters in the model")
+    state = NativeHSDPState(mesh[replicate_dim].get_group(), len(hooked))
+    for m in hooked:
+        m.set_all_reduce_hook(state.count)
+    return state
 
 
 def _mesh_groups(mesh: DeviceMesh, replicate: str, shard: str) -> tuple[DeviceMesh, DeviceMesh]:

@@ -274,3 +274,35 @@ def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exac
     proc = _edgc(*_train(data_dir, tmp_path / "bad", "--edgc-warmup-max-error", "0"), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "edgc train: error: EDGCConfig.warmup_max_error=0.0: must be in (0, 1] or None (a fixed warm-up)"]
+
+
+HSDP = ["--dp-shard", "2", "--dp-replicate", "2", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",
+        "--edgc-warmup-steps", "2", "--edgc-window", "2", "--grad-accum", "2", "--device", "cpu"]
+
+
+@pytest.mark.slow
+def test_hsdp_through_the_cli_compresses_after_native_warmup_and_resumes_exactly(tmp_path, data_dir):
+    a, b, straight = _straight_and_resumed(data_dir, tmp_path, ["--method", "edgc", *HSDP], 3, 6)
+    assert a == b
+    train = _train_records(straight)
+    assert [r["rank"] for r in train] == [0, 0, 4, 4, 4, 4]
+    assert all(r["bytes_sent"] < r["bytes_uncompressed"] / 2 for r in train[2:])
+    native = tmp_path / "native"
+    assert main(_train(data_dir, native, "--method", "none", *HSDP)) == 0
+    plain = _train_records(native)
+    assert [r["loss"] for r in plain[:3]] == [r["loss"] for r in train[:3]]  # the warm-up is native HSDP's
+    assert all(r["bytes_sent"] == r["bytes_uncompressed"] > 0 for r in plain)
+    assert json.loads((straight / "config.json").read_text())["dp_shard"] == 2
+    assert (straight / "summary.md").is_file() and (straight / "loss.png").is_file()
+
+
+def test_hsdp_refusals_are_one_line(tmp_path, data_dir, capsys):
+    assert main(_train(data_dir, tmp_path / "a", "--dp-shard", "2", "--pp", "2")) == 2
+    assert "pipelines" in capsys.readouterr().err
+    assert main(_train(data_dir, tmp_path / "b", "--dp-shard", "2", "--method", "torch-powersgd")) == 2
+    assert "not supported with HSDP" in capsys.readouterr().err
+    assert main(_train(data_dir, tmp_path / "c", "--dp-shard", "3", "--nproc", "4")) == 2
+    assert "dp_shard(3)" in capsys.readouterr().err
+    assert main(_train(data_dir, tmp_path / "d", "--dp-shard", "2", "--dtype", "fp16")) == 2
+    assert "bf16" in capsys.readouterr().err
+    assert not any((tmp_path / x).exists() for x in "abcd")

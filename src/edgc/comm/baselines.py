@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 from edgc.comm.hook import EDGCStats
 from edgc.comm.timing import LapSum, start_lap
 
-__all__ = ["AllReduceState", "NoSyncState", "TorchPowerSGDState", "allreduce_hook", "no_sync_hook",
+__all__ = ["AllReduceState", "NativeHSDPState", "NoSyncState", "TorchPowerSGDState", "allreduce_hook", "no_sync_hook",
            "torch_powersgd_hook"]
 
 STATE_VERSION = 2  # TorchPowerSGDState: 2 saves torch's buffers per parameter (1: per DDP bucket, as torch keeps them)
@@ -114,6 +114,29 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+class NativeHSDPState(_CountersOnly):
+    """Counters of native HSDP (fully_shard on the 2-D mesh), which all-reduces each
+    module's reduce-scatter output across the replicate group itself: `count` sees each
+    such output once FSDP has reduced it (edgc.fsdp.count_native_hsdp sets it as the
+    modules' all-reduce hook), and counts the bytes FSDP handed to that all-reduce."""
+
+    FORMAT = "native-hsdp-state"
+
+    def __init__(self, process_group: dist.ProcessGroup | None, modules: int) -> None:
+        super().__init__(process_group)
+        self.modules = modules  # the hooked modules: one call each per step
+        self._calls = 0
+
+    def count(self, output: torch.Tensor) -> None:
+        nbytes = output.numel() * output.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_uncompressed += nbytes
+        self._calls += 1
+        if self._calls == self.modules:
+            self._calls = 0
+            self.step += 1
 
 
 class NoSyncState(_CountersOnly):

@@ -91,10 +91,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,
-                     layout: tuple[int, int] | None = None) -> None:
+                     layout: tuple[int, int] | None = None, hsdp: tuple[int, int] | None = None) -> None:
     """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs.
 
-    `layout` is (pp, dp); None means no pipeline, (1, world_size).
+    `layout` is (pp, dp); None means no pipeline, (1, world_size). `hsdp` is (replicate,
+    shard) of an HSDP job, None for DDP.
     """
     saved = ckpt["train"]
     problems = []
@@ -105,6 +106,11 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
     if saved_layout != job_layout:
         problems.append(f"layout: checkpoint pp={saved_layout[0]} x dp={saved_layout[1]}, "
                         f"this job pp={job_layout[0]} x dp={job_layout[1]}")
+    saved_hsdp = tuple(ckpt["hsdp"]) if ckpt.get("hsdp") is not None else None
+    if saved_hsdp != (tuple(hsdp) if hsdp is not None else None):
+        def say(x: tuple[int, ...] | None) -> str:
+            return f"HSDP {x[0]} replicas x {x[1]} shards" if x else "DDP"
+        problems.append(f"data parallelism: checkpoint {say(saved_hsdp)}, this job {say(hsdp)}")
     if saved["preset"] != preset or ckpt["model_config"] != model_config:
         problems.append(f"model: checkpoint {saved['preset']} {ckpt['model_config']}, this job {preset} {model_config}")
     if saved["method"] != method:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,11 +161,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
-                 opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator) -> int:
+                 opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, *,
+                 load_weights: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None,
+                 ) -> int:
     """Load `weights` ({"model", "optimizer"}) and this rank's compression state, batch
-    generator and RNG from a checkpoint; returns the step it was taken at."""
-    module.load_state_dict(weights["model"])
-    opt.load_state_dict(weights["optimizer"])
+    generator and RNG from a checkpoint; returns the step it was taken at. `load_weights`
+    loads the first two where the module is not a plain one (a sharded model)."""
+    if load_weights is not None:
+        load_weights(module, opt, weights)
+    else:
+        module.load_state_dict(weights["model"])
+        opt.load_state_dict(weights["optimizer"])
     mine = replica_entry(ckpt["replicas"])
     hook_state.load_state_dict(mine["comm"])
     gen.set_state(mine["generator"])

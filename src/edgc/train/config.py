@@ -56,8 +56,8 @@ class TrainConfig:
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype",
                                     "emulated_device_ms"),
-        "workers and parallel layout": ("nproc", "pp", "dp", "schedule", "microbatches", "sync_after_send",
-                                        "activation_rank"),
+        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "pp", "dp", "schedule", "microbatches",
+                                        "sync_after_send", "activation_rank"),
         "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "lr_schedule",
                          "min_lr", "lr_warmup_steps", "lr_drop_steps", "lr_drop_gamma", "weight_decay", "grad_clip",
                          "seed", "max_nonfinite_steps"),
@@ -88,7 +88,8 @@ class TrainConfig:
 
     nproc: int | None = None
     """Local workers started by `edgc train` (ignored under torchrun, which sets the world).
-    None: pp * dp when dp is given, else pp when pp > 1 (one replica per stage), else 2."""
+    None: pp * dp when dp is given, dp_shard * dp_replicate under HSDP (dp_replicate
+    given, or 2 replicas), else pp when pp > 1 (one replica per stage), else 2."""
 
     device: str = "auto"
     """Where the workers train: "auto" (CUDA when a GPU is visible, else the CPU), "cpu"
@@ -203,6 +204,16 @@ class TrainConfig:
     edgc: dict[str, Any] = field(default_factory=dict)
     """EDGCConfig overrides (any field); unspecified ones are scaled to the run (`resolve`)."""
 
+    dp_shard: int = 1
+    """FSDP2 shard size: with S > 1 (or with dp_replicate given) the model is sharded with
+    fully_shard over S workers (a node), and replicated dp_replicate times (the nodes):
+    HSDP. Method "none" is native HSDP; "powersgd" and "edgc" shard on the 1-D shard mesh
+    and compress the replicas' all-reduce through edgc.fsdp.register_edgc."""
+
+    dp_replicate: int | None = None
+    """HSDP replicas (nodes) of each shard group; None: world // dp_shard. dp_shard *
+    dp_replicate must equal the world."""
+
     pp: int = 1
     """Pipeline stages. With pp > 1 the GPT-2 blocks are split into pp stages
     (torch.distributed.pipelining); stage 0 holds the embedding, the last the head."""
@@ -313,10 +324,10 @@ class TrainConfig:
         self.dac_config()
         if self.microbatches is not None and self.pp == 1:
             bad("microbatches", "splits a pipeline's step: it needs pp > 1")
-        for name in ("pp",):
-            if not isinstance(self.pp, int) or self.pp < 1:
+        for name in ("pp", "dp_shard"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        for name in ("dp", "microbatches"):
+        for name in ("dp", "microbatches", "dp_replicate"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(name, "must be a positive integer or unset")
@@ -334,6 +345,16 @@ class TrainConfig:
                          f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
+        if self.hsdp:
+            if self.pp > 1 or self.dp is not None:
+                bad("dp_shard", "HSDP (--dp-shard, --dp-replicate) does not combine with pipelines (--pp, --dp)")
+            if self.method not in ("none", "powersgd", "edgc"):
+                bad("method", f"{self.method} is not supported with HSDP: use none (native HSDP), powersgd or edgc")
+            if self.dtype == "fp16":
+                bad("dtype", "fp16 is not supported with HSDP (its GradScaler does not know sharded gradients); "
+                             "use bf16")
+            if self.nproc is not None:
+                self.hsdp_layout(self.nproc)
         if self.pp > 1:
             self.check_layout(self.workers())
             layers = PRESETS[self.preset].n_layer
@@ -386,12 +407,32 @@ class TrainConfig:
         pp (pp > 1: one replica per stage), or 2."""
         if self.nproc is not None:
             return self.nproc
+        if self.hsdp:
+            return self.dp_shard * (self.dp_replicate or 2)
         if self.dp is not None:
             return self.pp * self.dp
         return self.pp if self.pp > 1 else 2
 
+    @property
+    def hsdp(self) -> bool:
+        """Whether the run shards the model with FSDP2 (dp_shard > 1 or dp_replicate given)."""
+        return self.dp_shard != 1 or self.dp_replicate is not None
+
+    def hsdp_layout(self, world: int) -> tuple[int, int]:
+        """(replicate, shard) of an HSDP run on `world` workers; raises ValueError unless
+        they use every worker exactly once."""
+        replicate = self.dp_replicate if self.dp_replicate is not None else world // self.dp_shard
+        if replicate * self.dp_shard != world or replicate < 1:
+            raise ValueError(f"dp_replicate({replicate}) * dp_shard({self.dp_shard}) != world({world}): "
+                             "the layout must use every worker exactly once")
+        return replicate, self.dp_shard
+
     def check_layout(self, world: int) -> None:
-        """Raise ValueError unless pp * dp == world, showing the arithmetic."""
+        """Raise ValueError unless pp * dp (or under HSDP dp_replicate * dp_shard) == world,
+        showing the arithmetic."""
+        if self.hsdp:
+            self.hsdp_layout(world)
+            return
         dp = self.dp if self.dp is not None else world // self.pp
         if self.pp * dp != world or dp < 1:
             raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): "

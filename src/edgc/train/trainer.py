@@ -26,19 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from edgc.comm import EDGCState, edgc_hook
-from edgc.comm.baselines import (
-    AllReduceState,
-    NoSyncState,
-    TorchPowerSGDState,
-    allreduce_hook,
-    no_sync_hook,
-    torch_powersgd_hook,
-)
 from edgc.comm.replicas import gather_replicas
-from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
@@ -62,6 +51,7 @@ from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
+from edgc.train.parallel import DataParallel, data_parallel
 from edgc.train.progress import ProgressDisplay
 from edgc.train.runfolder import RunLock, check_new_run, clean_leftovers
 from edgc.train.summary import write_summary
@@ -104,7 +94,8 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
         vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
         check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, vocab),
-                         layout=(cfg.pp, world_size // cfg.pp))
+                         layout=(cfg.pp, world_size // cfg.pp),
+                         hsdp=cfg.hsdp_layout(world_size) if cfg.hsdp else None)
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
             if cfg.stop_after and ckpt["step"] >= cfg.stop_after and cfg.stop_after < cfg.steps:
@@ -335,38 +326,28 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
     return Path(cfg.out)
 
 
-def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
-    """Register the method's communication hook; returns its state (all have stats())."""
-    if cfg.method == "none":
-        state: Any = AllReduceState(None)
-        ddp.register_comm_hook(state, allreduce_hook)
-    elif cfg.method == "compute-only":
-        state = NoSyncState(None)
-        ddp.register_comm_hook(state, no_sync_hook)
-    elif cfg.method == "torch-powersgd":
-        edgc_cfg = EDGCConfig(**cfg.edgc)
-        state = TorchPowerSGDState(None, rank=cfg.rank, start_iter=edgc_cfg.warmup_steps + 1,
-                                   min_compression_rate=edgc_cfg.min_compression_rate, module=ddp.module)
-        ddp.register_comm_hook(state, torch_powersgd_hook)
-    else:  # powersgd (static policy) or edgc
-        state = EDGCState(None, EDGCConfig(**cfg.edgc))
-        ddp.register_comm_hook(state, edgc_hook)
-    return state
-
-
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int, world: int,
-             device: torch.device) -> EvalResult:
+             device: torch.device, *, lockstep: bool = False) -> EvalResult:
     """Validation loss and its standard error over the fixed evaluation blocks (see
     edgc.train.evaluation), block i on rank i mod world. Every rank must call it; it
-    returns the same result on all. The model is left in training mode."""
+    returns the same result on all. The model is left in training mode. `lockstep`: a
+    sharded model, whose forward passes are collectives, so every rank runs as many as
+    the busiest one (the extra ones, on its first block, are not counted)."""
     assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     model.eval()
     moments = LossMoments(device)
-    starts = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)[rank::world]
+    every = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)
+    starts = every[rank::world]
+    batches = 0
     for batch in eval_batches(val, starts, cfg.block_size, cfg.batch_size, device):
         logits, _ = model(batch.x)  # (B, T, V)
         moments.add(block_losses(logits, batch.y)[: batch.valid])
+        batches += 1
+    if lockstep:
+        most = -(-len(every[0::world]) // cfg.batch_size)  # (rank 0 holds the most blocks)
+        for _ in range(most - batches):
+            model(next(eval_batches(val, every[:1], cfg.block_size, cfg.batch_size, device)).x)
     model.train()
     return moments.result(cfg.block_size)
 
@@ -432,8 +413,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size).to(device)
     emulate_device_time(model.h, cfg.emulated_device_ms)
-    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, device_ids=[device.index] if use_cuda else None)
-    hook_state = _attach_hook(cfg, ddp)
+    run = data_parallel(cfg, model, device, world)
+    hook_state = run.state
     precision = Precision(cfg.dtype, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # this replica's batches
@@ -442,8 +423,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     if resume:
         ckpt = load_checkpoint(resume)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
-                         model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world))
-        start = restore_rank(ckpt, ckpt, model, opt, hook_state, gen)
+                         model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world), hsdp=run.hsdp)
+        start = restore_rank(ckpt, ckpt, model, opt, hook_state, gen, load_weights=run.load_weights)
         precision.load_state_dict(ckpt.get("scaler"))
         del ckpt
     precision.tell(hook_state)
@@ -469,14 +450,14 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             loss_sum.zero_()
             for micro in range(cfg.grad_accum):
                 x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)
-                sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else ddp.no_sync()
-                with sync:
+                with run.sync(micro == cfg.grad_accum - 1):
                     with precision.autocast():
-                        _, loss = ddp(x, y)
+                        _, loss = run.module(x, y)
                     precision.scaler.scale(loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().double() / cfg.grad_accum
             precision.scaler.unscale_(opt)  # (a no-op without fp16)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                        cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
             if torch.isfinite(norm):
                 precision.scaler.step(opt)
             else:  # the hook passed inf/nan through; skip the update on every replica alike
@@ -506,7 +487,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             val = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 with precision.autocast():
-                    val = evaluate(model, val_tokens, cfg, rank, world, device)
+                    val = evaluate(model, val_tokens, cfg, rank, world, device, lockstep=run.hsdp is not None)
             if writer is not None:
                 writer.write(record)
                 if val is not None:
@@ -514,7 +495,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
-                _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision, guard)
+                _checkpoint(cfg, step, world, rank, model, opt, run, gen, meta, precision, guard)
     finally:
         display.close()
         if writer is not None:
@@ -523,17 +504,24 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
 
 
-def _checkpoint(cfg, step, world, rank, model, opt, hook_state, gen, meta, precision, guard) -> None:
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (under FSDP clip_grad_norm_ returns a DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta, precision, guard) -> None:
     """Gather every replica's compression state to rank 0, which writes atomically, unless
     the model is not finite (the last good checkpoint is kept)."""
-    mine = {"comm": hook_state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
+    mine = {"comm": run.state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
     # (every replica's state, error feedback, Q and RNG, to rank 0: edgc.comm.replicas)
     gathered = gather_replicas(mine, dst=0)
-    if rank == 0 and guard.may_save(step, model.state_dict()):  # (else it says why not)
+    weights, opt_state = run.weights(model, opt)  # (under HSDP a collective: full states on rank 0)
+    if rank == 0 and guard.may_save(step, weights):  # (else it says why not)
+        extra = {"hsdp": list(run.hsdp)} if run.hsdp is not None else {}
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "replicas": gathered,
-            "scaler": precision.state_dict(),
+            "model": weights, "optimizer": opt_state, "replicas": gathered,
+            "scaler": precision.state_dict(), **extra,
         }, keep=cfg.keep_checkpoints)
     dist.barrier()
