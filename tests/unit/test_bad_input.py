@@ -46,7 +46,8 @@ ALLOWED = {
     # checkpoints, a large cap (memory and time are theirs, as with any trainer)
     *[(f, str(10**12)) for f in ("--steps", "--stop-after", "--lr-warmup-steps", "--eval-every", "--eval-tokens",
                                  "--checkpoint-every", "--corpus-bytes", "--edgc-window", "--edgc-warmup-steps",
-                                 "--dac-max-samples", "--nproc", "--dp", "--batch-size", "--grad-accum",
+                                 "--dac-max-samples", "--nproc", "--dp", "--dp-shard", "--dp-replicate", "--batch-size",
+                                 "--grad-accum",
                                  "--block-size", "--vocab-size", "--keep-checkpoints", "--max-restarts",
                                  "--max-nonfinite-steps")],
     # a huge but finite float: a learning rate or decay that diverges, clipping that never
