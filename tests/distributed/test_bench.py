@@ -64,6 +64,80 @@ def test_cluster_sets_up_rate_limited_links_and_tears_down():
     assert _namespaces(prefix) == []
 
 
+_SEND = """
+import socket, sys
+host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with socket.create_connection((host, port), 5) as s:
+    s.sendall(b"x" * size)
+"""
+_RECEIVE = """
+import socket, sys
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", int(sys.argv[1]))); srv.listen(1); print("ready", flush=True)
+conn, _ = srv.accept(); got = 0
+while chunk := conn.recv(1 << 16):
+    got += len(chunk)
+print(got, flush=True)
+"""
+
+
+def _transfer(c, src, dst, size, port):
+    """Send `size` bytes from worker `src` to worker `dst` over TCP; returns what arrived."""
+    server = subprocess.Popen(c.command(dst, [sys.executable, "-c", _RECEIVE, str(port)]), stdout=subprocess.PIPE,
+                              text=True)
+    assert server.stdout.readline().strip() == "ready"
+    subprocess.run(c.command(src, [sys.executable, "-c", _SEND, c.addr(dst), str(port), str(size)]), check=True,
+                   timeout=60)
+    return int(server.communicate(timeout=60)[0].strip())
+
+
+@needs_root
+def test_nodes_share_one_limited_link_and_their_bytes_are_counted():
+    prefix = f"edgcn{os.getpid()}"
+    with Cluster(4, "100mbit", prefix=prefix, nodes=2) as c:
+        assert len(_namespaces(prefix)) == 3  # the switch and 2 nodes
+        assert [c.node(i) for i in range(4)] == [0, 0, 1, 1] and c.addr(0) == c.addr(1) != c.addr(2)
+        start = c.link_bytes()
+        assert _transfer(c, 0, 1, 2_000_000, 29511) == 2_000_000  # inside node 0: its loopback
+        inside = c.link_bytes()
+        assert inside[1] - start[1] >= 2_000_000 and inside[0] - start[0] < 200_000
+        assert _transfer(c, 2, 0, 2_000_000, 29512) == 2_000_000  # node 1 to node 0: both links
+        across = c.link_bytes()
+        assert across[0] - inside[0] >= 2_000_000
+    assert _namespaces(prefix) == []
+    with pytest.raises(ValueError, match="divide"):
+        Cluster(4, "100mbit", nodes=3)
+
+
+@needs_root
+@pytest.mark.slow
+def test_bench_train_across_nodes_reports_wire_bytes_and_memory(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "train", "--nodes", "2", "--nproc", "4", "--bandwidth", "1gbit", "--steps", "6",
+                 "--methods", "none,hsdp-native,hsdp-edgc", "--rank", "4", "--out", str(out), "--",
+                 "--batch-size", "2", "--block-size", "32", "--eval-tokens", "256", "--edgc-warmup-steps", "2",
+                 "--checkpoint-every", "100"]) == 0
+    text = (out / "bench.md").read_text()
+    table = text.split("## Across nodes")[1].split("\n\n")[1]
+    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")] for line in table.splitlines()}
+    assert {"none", "hsdp-native", "hsdp-edgc"} <= set(rows)
+    inter = {name: float(rows[name][3]) for name in ("none", "hsdp-native", "hsdp-edgc")}
+    intra = {name: float(rows[name][5]) for name in ("none", "hsdp-native", "hsdp-edgc")}
+    assert inter["hsdp-edgc"] < inter["hsdp-native"]  # compressed across nodes
+    assert intra["hsdp-native"] > intra["none"]  # the shards' reduce-scatter and all-gathers stay inside
+    state = {name: float(rows[name][7]) for name in ("none", "hsdp-native")}
+    assert state["hsdp-native"] < 0.75 * state["none"]  # parameters and optimiser state sharded in two
+    cfg = json.loads((out / "hsdp-edgc" / "config.json").read_text())
+    assert (cfg["dp_shard"], cfg["dp_replicate"], cfg["method"]) == (2, 2, "edgc")
+
+
+def test_bench_train_node_options_are_checked(tmp_path, capsys):
+    assert main(["bench", "train", "--loopback", "--nodes", "3", "--nproc", "4", "--out", str(tmp_path / "a")]) == 2
+    assert "divide" in capsys.readouterr().err
+    assert main(["bench", "train", "--loopback", "--methods", "hsdp-native", "--out", str(tmp_path / "b")]) == 2
+    assert "--nodes" in capsys.readouterr().err
+
+
 @needs_root
 def test_cluster_tears_down_after_a_worker_crash():
     prefix = f"edgcc{os.getpid()}"

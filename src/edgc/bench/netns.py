@@ -6,7 +6,14 @@ Layout for N workers (names carry a per-run prefix so runs never collide):
     namespace {p}-w{i}: eth0 10.213.0.{i+1}/24      (tbf: rate R from worker i)
 
 Every link is limited with `tc qdisc ... tbf` in both directions, so a worker's uplink and
-downlink each run at R, like a machine on a switched network. All addresses live inside
+downlink each run at R, like a machine on a switched network.
+
+With `nodes=K`, the N workers are grouped into K nodes of N/K workers, one namespace per
+node ({p}-w{k}, address 10.213.0.{k+1}): workers i*N/K .. (i+1)*N/K - 1 share node i's
+limited link to the switch, and reach each other over that namespace's loopback, unlimited
+(traffic to a local address never leaves through eth0), as GPUs inside one machine do.
+`link_bytes()` reads what crossed each node's link and its loopback, so a run's inter-node
+and intra-node bytes are measured on the wire, not inferred. All addresses live inside
 namespaces this module creates; nothing touches the host's own interfaces. netem is not
 available on this project's machines, so latency is modelled (edgc simulate), not emulated.
 
@@ -72,7 +79,21 @@ class Cluster:
     n: int
     bandwidth: str | None = "200mbit"
     prefix: str = field(default_factory=lambda: f"edgc{os.getpid()}")
+    nodes: int | None = None  # group the workers into this many nodes (None: one per worker)
     _made: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.nodes is not None and (self.nodes < 1 or self.n % self.nodes):
+            raise ValueError(f"--nodes {self.nodes} must divide the {self.n} workers evenly")
+
+    @property
+    def node_count(self) -> int:
+        """Namespaces with a link of their own: the nodes, or one per worker."""
+        return self.nodes if self.nodes is not None else self.n
+
+    def node(self, i: int) -> int:
+        """The node of worker i."""
+        return i // (self.n // self.node_count)
 
     @property
     def emulated(self) -> bool:
@@ -83,7 +104,7 @@ class Cluster:
         return parse_rate(self.bandwidth) if self.bandwidth else None
 
     def addr(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}" if self.emulated else "127.0.0.1"
+        return f"{SUBNET}.{self.node(i) + 1}" if self.emulated else "127.0.0.1"
 
     @property
     def ifname(self) -> str:
@@ -91,7 +112,7 @@ class Cluster:
 
     def command(self, i: int, argv: list[str]) -> list[str]:
         """argv run as worker i (inside its namespace when emulated)."""
-        return ["ip", "netns", "exec", f"{self.prefix}-w{i}", *argv] if self.emulated else list(argv)
+        return ["ip", "netns", "exec", f"{self.prefix}-w{self.node(i)}", *argv] if self.emulated else list(argv)
 
     @staticmethod
     def check() -> None:
@@ -136,25 +157,46 @@ class Cluster:
         self._made.append(switch)
         _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", switch, "link", "set", "br0", "up")
-        for i in range(self.n):
+        for i in range(self.node_count):
             ns = f"{p}-w{i}"
             _run("ip", "netns", "add", ns)
             self._made.append(ns)
             # create the pair inside the worker namespace so no interface ever sits in the host's
             _run("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"s{i}", "netns", switch)
             _run("ip", "-n", switch, "link", "set", f"s{i}", "master", "br0", "up")
-            _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
             _run("ip", "netns", "exec", switch, "tc", "qdisc", "add", "dev", f"s{i}", *tbf)
-        logger.info("emulated cluster %s: %s workers at %s each way", p, self.n, rate)
+        logger.info("emulated cluster %s: %s workers in %s namespaces at %s each way", p, self.n, self.node_count,
+                    rate)
+
+    def link_bytes(self) -> tuple[int, int]:
+        """(bytes sent over the nodes' links, bytes sent over their loopbacks) so far,
+        summed over the nodes, from the kernel's interface counters; (0, 0) on loopback."""
+        if not self.emulated:
+            return 0, 0
+        inter = intra = 0
+        for i in range(self.node_count):
+            inter += _tx_bytes(f"{self.prefix}-w{i}", "eth0")
+            intra += _tx_bytes(f"{self.prefix}-w{i}", "lo")
+        return inter, intra
 
     def teardown(self) -> None:
         """Delete every namespace this cluster made (their links and qdiscs go with them)."""
         while self._made:
             ns = self._made.pop()
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _tx_bytes(namespace: str, dev: str) -> int:
+    """The bytes interface `dev` of `namespace` has sent (its kernel counter)."""
+    proc = subprocess.run(["ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reading {dev}'s counters in {namespace} failed: {proc.stderr.strip()}")
+    return int(proc.stdout.strip())
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -31,15 +31,29 @@ from edgc.train.trainer import ensure_data
 __all__ = ["add_parser", "run", "time_to_target", "train_on_cluster"]
 
 MODES = {"quick": 100, "full": 600}
+DEFAULT_METHODS = "none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc"
+NODE_METHODS = "none,edgc,hsdp-native,hsdp-edgc"  # (with --nodes: DDP and HSDP, each uncompressed and with edgc)
 
 
 #: Suffix of a method spec that runs our hook in its whole-step mode ("edgc-wholestep").
 WHOLE_STEP = "-wholestep"
 
 
-def _method_args(spec: str, rank: int) -> tuple[str, list[str]]:
+def _method_args(spec: str, rank: int, layout: tuple[int, int] | None = None) -> tuple[str, list[str]]:
     """Run name and `edgc train` arguments for a method spec like "powersgd-rmin"; a spec
-    of our hook ending in "-wholestep" runs it in its whole-step mode (EDGCConfig.sync_mode)."""
+    of our hook ending in "-wholestep" runs it in its whole-step mode (EDGCConfig.sync_mode).
+    `layout` (nodes, workers per node) makes the HSDP specs: "hsdp-native" (FSDP2 on the
+    whole mesh), "hsdp-powersgd" and "hsdp-edgc" (sharded in each node, edgc.fsdp across)."""
+    if spec.startswith("hsdp-"):
+        if layout is None:
+            raise ValueError(f"{spec} needs --nodes: HSDP shards the model inside each node")
+        hsdp = ["--dp-replicate", str(layout[0]), "--dp-shard", str(layout[1])]
+        hsdp_table = {"hsdp-native": ["--method", "none"],
+                      "hsdp-powersgd": ["--method", "powersgd", "--rank", str(rank)],
+                      "hsdp-edgc": ["--method", "edgc", "--rank", str(rank)]}
+        if spec not in hsdp_table:
+            raise ValueError(f"unknown method {spec!r}; the HSDP ones are {sorted(hsdp_table)}")
+        return spec, hsdp_table[spec] + hsdp
     r_min = max(1, rank // 4)
     table = {
         "none": ["--method", "none"],
@@ -118,17 +132,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="end-to-end training per method on an emulated cluster",
                        description=_DESCRIPTION, epilog=_EXAMPLES)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset of every run")
-    p.add_argument("--nproc", type=int, default=4, help="workers, one per emulated node")
+    p.add_argument("--nproc", type=int, default=4, help="workers (one per emulated node, unless --nodes)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="group the workers into this many nodes: unlimited links inside a node, --bandwidth "
+                        "between nodes; the default methods become none, edgc, hsdp-native and hsdp-edgc")
     p.add_argument("--bandwidth", default="200mbit", metavar="RATE",
                    help="per-link rate, each direction (tc syntax: 200mbit, 1gbit)")
     p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
     p.add_argument("--mode", choices=sorted(MODES), default="quick",
                    help=f"run length: {', '.join(f'{m} {n} steps' for m, n in MODES.items())}")
     p.add_argument("--steps", type=int, default=None, help="steps of every run (default: the --mode's)")
-    p.add_argument("--methods", default="none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc",
+    p.add_argument("--methods", default=None,
                    help="comma-separated: none, compute-only (no sync: the exposed-communication baseline), "
                         "torch-powersgd, powersgd-rmax, powersgd-rmin, edgc, edgc-uniform, edgc-dac-cap, "
-                        "edgc-dac-measured; append -wholestep to one of ours for its whole-step mode")
+                        "edgc-dac-measured; append -wholestep to one of ours for its whole-step mode; with "
+                        "--nodes also hsdp-native, hsdp-powersgd, hsdp-edgc (default: "
+                        f"{DEFAULT_METHODS}, or with --nodes {NODE_METHODS})")
     p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
     p.add_argument("--target-loss", type=float, default=None,
                    help="validation loss for time-to-target (default: the worst final loss of all methods)")
@@ -142,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or MODES[args.mode]
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
-    specs = [_method_args(m.strip(), args.rank) for m in args.methods.split(",") if m.strip()]
+    if args.nodes is not None and (args.nodes < 1 or args.nproc % args.nodes):
+        raise ValueError(f"--nodes {args.nodes} must divide --nproc {args.nproc} evenly")
+    layout = (args.nodes, args.nproc // args.nodes) if args.nodes else None
+    methods = args.methods or (NODE_METHODS if args.nodes else DEFAULT_METHODS)
+    specs = [_method_args(m.strip(), args.rank, layout) for m in methods.split(",") if m.strip()]
     if not args.loopback:
         try:
             Cluster.check()
@@ -152,15 +175,19 @@ def run(args: argparse.Namespace) -> int:
     data = ensure_data(base)  # tokenise once, before any worker starts
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    with Cluster(args.nproc, None if args.loopback else args.bandwidth) as cluster:
+    wire: dict[str, tuple[int, int]] = {}  # run -> (inter-node, intra-node) bytes measured on the links
+    with Cluster(args.nproc, None if args.loopback else args.bandwidth, nodes=args.nodes) as cluster:
         for name, method_args in specs:
             run_dir = out / name
             print(f"[bench] {name}: {steps} steps on {args.nproc} workers ...", flush=True)
             t0 = time.perf_counter()
+            before = cluster.link_bytes()
             diverged = train_on_cluster(
                 cluster, ["train", "--preset", args.preset, "--steps", str(steps), "--data", str(data),
                           "--out", str(run_dir), "--no-progress", *method_args, *extra],
                 run_dir, steps, timeout=args.timeout)
+            after = cluster.link_bytes()
+            wire[name] = (after[0] - before[0], after[1] - before[1])
             print(f"[bench] {name}: {'ended diverged' if diverged else 'done'} in {time.perf_counter() - t0:.0f}s"
                   + (f" ({diverged})" if diverged else ""), flush=True)
             runs.append(run_dir)
@@ -168,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     ordered = sorted(runs, key=lambda d: d.name == "compute-only")
     table = markdown_table(report(ordered, out))
     text = _bench_markdown(args, steps, runs, table, cluster)
+    if args.nodes and cluster.emulated:
+        text += _nodes_markdown(runs, wire)
     (out / "bench.md").write_text(text)
     print(text, end="")
     print(f"report: {out / 'bench.md'}")
@@ -213,6 +242,32 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
         "the backward pass did not hide.\n\n"
         "![loss](loss.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
+
+
+def _nodes_markdown(runs: list[Path], wire: dict[str, tuple[int, int]]) -> str:
+    """The nodes table: each run's step time, the bytes measured on the nodes' links and
+    loopbacks, its validation loss ± SE, and one worker's memory (edgc train's "memory"
+    record, rank 0's)."""
+    lines = ["\n## Across nodes\n",
+             "| run | step time (ms) | inter-node MB | vs first | intra-node MB | val loss ± SE | "
+             "state MB / worker | peak MB / worker |",
+             "|---|---|---|---|---|---|---|---|"]
+    first = None
+    for d in runs:
+        config, records = load_run(d)
+        s = summarize(d.name, config, records)
+        inter, intra = wire[d.name]
+        first = first or inter
+        memory: dict = next((r for r in reversed(records) if r.get("kind") == "memory"), {})
+        val = [r for r in records if r.get("kind") == "val"]
+        se = val[-1].get("val_loss_se") if val else None
+        lines.append(f"| {d.name} | {s.mean_step_time * 1e3:.0f} | {inter / 1e6:.1f} | {_ratio(inter, first)} | "
+                     f"{intra / 1e6:.1f} | {s.final_val_loss:.4f} ± {se if se is not None else float('nan'):.4f} | "
+                     f"{memory.get('state_mb', float('nan')):.1f} | {memory.get('peak_mb', float('nan')):.0f} |")
+    return ("\n".join(lines) + "\n\nInter-node and intra-node bytes are what the nodes' links and loopbacks sent "
+            "during the run (kernel counters: evaluation, checkpoints' gathers and the collectives' own framing "
+            "included). State is the parameters, optimiser state and compression state a worker holds; peak is the "
+            "peak CUDA memory allocated, or on the CPU the process's peak resident set.\n")
 
 
 def _mean_comm_time(records: list[dict]) -> float:

@@ -496,12 +496,39 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
                 _checkpoint(cfg, step, world, rank, model, opt, run, gen, meta, precision, guard)
+            if step == cfg.steps and writer is not None:  # (the run's end, not a --stop-after)
+                writer.write(memory_record(step, model, opt, hook_state, device))
     finally:
         display.close()
         if writer is not None:
             writer.close()
     return {"skipped": skipped, "stats": hook_state.stats(),
             "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
+
+
+def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, hook_state: Any,
+                  device: torch.device) -> dict[str, Any]:
+    """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
+    "state_mb", the bytes it holds of the parameters, the optimiser state and the
+    compression state (error feedback and Q), each as stored here (a sharded model's
+    local shards); "peak_mb", the peak CUDA memory allocated, or on the CPU the process's
+    peak resident set."""
+    def local(t: Any) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    held = sum(local(p) for p in model.parameters())
+    held += sum(local(v) for state in opt.state.values() for v in state.values())
+    sync = getattr(hook_state, "sync", hook_state)  # (edgc.fsdp's state holds its core)
+    for g in getattr(sync, "groups", {}).values():
+        held += local(g.q) + (local(g.error) if g.error is not None else 0)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+    return {"step": step, "kind": "memory", "state_mb": held / 1e6, "peak_mb": peak / 1e6}
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
