@@ -375,6 +375,9 @@ class GradientSync:
         """Config, alignment and state_dict() only: process groups and CUDA events cannot
         travel between processes. A state with its own group comes back without it, and
         must be given it again (`state.process_group = group`) before its first step."""
+        if self.eager:
+            raise TypeError("an eager synchroniser (edgc.fsdp) is bound to its model's sharded layout and cannot be "
+                            "pickled; save its state_dict() instead")
         if self._bound is None:
             saved = self._loaded  # never stepped here: at most a loaded state to pass on
         else:
