@@ -42,3 +42,15 @@ def test_eager_mode_refuses_calibration_alignment_and_pickling():
         GradientSync(None, EDGCConfig(max_rank=4), eager=True, alignment=object())
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(GradientSync(None, EDGCConfig(max_rank=4), eager=True))
+
+
+def test_a_state_of_other_tensors_is_refused_when_loaded():
+    saved = GradientSync(None, EDGCConfig(max_rank=4), eager=True)
+    saved.declare([[("a", (4, 3)), ("b", (3,))]], [torch.float32])
+    other = GradientSync(None, EDGCConfig(max_rank=4), eager=True)
+    other.declare([[("a", (5, 3)), ("b", (3,))]], [torch.float32])
+    with pytest.raises(ValueError, match="does not match this model"):
+        other.load_state_dict(saved.state_dict())
+    same = GradientSync(None, EDGCConfig(max_rank=4), eager=True)
+    same.declare([[("a", (4, 3)), ("b", (3,))]], [torch.float32])
+    same.load_state_dict(saved.state_dict())  # (the same layout loads)

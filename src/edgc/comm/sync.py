@@ -572,6 +572,8 @@ class GradientSync:
             self.alignment.load_state_dict(d["alignment"])
         self.r_min, self.r_max = int(d["r_min"]), int(d["r_max"])
         self._expected_shapes = [tuple(s) for s in d["slot_shapes"]]
+        if self.eager and self._slot_of:
+            self._check_expected_shapes()  # (declared already: say it now, not at the first step)
         self.uncompressed_slots = list(d["uncompressed_slots"])
         # (states written before the pipelined mode lack "units": DDP's buckets serve until known)
         self._units = _checked_units(d.get("units"), len(self._expected_shapes))
@@ -687,7 +689,8 @@ class GradientSync:
                     self._bind()
                 self.device = buffer.device
                 if self.eager and self._expected_shapes is not None:
-                    self._expected_shapes = None  # (checked by declare)
+                    self._check_expected_shapes()  # (a state loaded after declare)
+                    self._expected_shapes = None
                     self._restore_groups(collections.defaultdict(lambda: buffer.device),
                                          {g["slots"][0]: _saved_dtype(g) for g in self._pending_groups or []})
                 sync = self._sync = StepSync(self, pipelined=self._pipelined_next())
