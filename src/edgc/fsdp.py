@@ -49,9 +49,10 @@ worked out from the parameters (a parameter without a gradient: every one needs 
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,13 +88,11 @@ class EDGCFSDPState:
     FSDPModule (built by register_edgc). `stats()`, `state_dict()`, `load_state_dict()`,
     `set_grad_scale()` and `set_learning_rate()` behave as EDGCState's."""
 
-    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int], coords: tuple[int, int]):
+    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int]):
         self._modules = modules
         self.sync = sync
         self.layout = layout  # (replicate, shard) sizes
-        self.coords = coords  # this process's (replicate, shard) index
         self._calls = 0  # modules synced so far in this step
-        self._accumulating = False
 
     @property
     def config(self) -> EDGCConfig:
@@ -152,7 +151,6 @@ class EDGCFSDPState:
             else:
                 module.accumulated.add_(output)
             output.zero_()
-            self._accumulating = True
             return
         if module.accumulated is not None:
             output.add_(module.accumulated)
@@ -209,20 +207,13 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     from torch.distributed.fsdp import FSDPModule  # (torch >= 2.6)
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-    config = config if config is not None else EDGCConfig()
-    if not isinstance(config, EDGCConfig):
-        raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
-    config.validate()
-    if config.max_rank is None:
-        raise ValueError("register_edgc needs max_rank set: calibrating r_max times the whole local gradient "
-                         "at once, and FSDP hands it over module by module")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("register_edgc needs torch.distributed initialised (init_process_group or torchrun)")
     replicate_mesh, shard_mesh = _mesh_groups(mesh, replicate_dim, shard_dim)
     shard_ranks = _ranks(shard_mesh.get_group())
     modules: list[_Module] = []
     dtypes: list[torch.dtype] = []
-    hooked: list[Any] = []  # FSDPModules  # (in the order of `modules`)
+    hooked: list[Any] = []  # the FSDPModules of `modules`, in its order
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise ValueError("register_edgc found no FSDPModule in the model: shard it with "
@@ -260,19 +251,12 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     world = dist.get_world_size()
     mesh_ranks = mesh.mesh.flatten().tolist()
     control = dist.group.WORLD if len(mesh_ranks) == world else dist.new_group(sorted(mesh_ranks))
+    # (the core checks the config: its type, its values, and that max_rank is set)
     sync = GradientSync(replicate_mesh.get_group(), config, control_group=control, eager=True)
     sync.declare([m.entries for m in modules], dtypes)
-    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size()),
-                          (replicate_mesh.get_local_rank(), shard_mesh.get_local_rank()))
+    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size()))
     for index, m in enumerate(hooked):
-        m.set_all_reduce_hook(_bind_hook(state, index))
+        m.set_all_reduce_hook(functools.partial(state._hook, index))
     logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards", len(modules), *state.layout)
     return state
 
-
-def _bind_hook(state: EDGCFSDPState, index: int) -> Callable[[torch.Tensor], None]:
-    """Module `index`'s hook (a closure: FSDP calls it with the buffer only)."""
-
-    def hook(output: torch.Tensor) -> None:
-        state._hook(index, output)
-    return hook

@@ -99,3 +99,14 @@ def test_refusals_name_the_problem(case, message):
     out = run_workers(fsdp_workers.refusal, 4, case, timeout=300)
     for text in out:
         assert message in text, text
+
+
+def test_warmup_ends_at_the_first_error_check_that_passes_measured_module_by_module():
+    # checks every 3rd step (alpha 1/3); an error bound of 1 passes at the first check, step 3,
+    # from the local shards' singular values summed over every module, agreed over the mesh
+    config = dict(BASE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 3, warmup_max_error=1.0)
+    out = run_workers(fsdp_workers.train, 4, "edgc", config, 8, timeout=300)
+    _check_compressed_run(out, 8)
+    # a bound no gradient meets keeps the warm-up to its cap
+    capped = run_workers(fsdp_workers.train, 4, "edgc", dict(config, warmup_max_error=1e-9), 6, timeout=300)
+    assert all(r["ranks"] == [0] * 6 for r in capped)

@@ -20,7 +20,7 @@ def test_error_sums_add_up_over_pieces_to_the_whole():
         assert lowrank_errors_from_sums(summed, norm) == pytest.approx(whole(mats, [1, 3]), rel=1e-12)
     whole = relative_lowrank_error(mats, [1, 3])
     assert lowrank_errors_from_sums(lowrank_error_sums(mats, [1, 3]), "relative") == whole
-    assert all(x != x for x in lowrank_errors_from_sums(None))  # no matrices: nan
+    assert all(x != x for x in lowrank_errors_from_sums(lowrank_error_sums([], [1, 3])))  # no matrices: nan
     with pytest.raises(ValueError, match="norm"):
         lowrank_error_sums(mats, [1], "max")
 

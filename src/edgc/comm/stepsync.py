@@ -397,7 +397,7 @@ class StepSync:
         # eager: the warm-up check's sums over the local gradient, buffer by buffer
         # (edgc.compress.lowrank_error_sums), and the averaged gradient's sample, taken as
         # each buffer is averaged (the framework may change a buffer once handed back)
-        self.error_sums: list[float] | None = None
+        self.error_sums = [0.0, 0.0, 0.0]  # (tails at r_min and r_max, total: lowrank_error_sums)
         self.average: torch.Tensor | None = None
         self.ok = torch.ones((), dtype=torch.bool, device=state.device)  # every sum so far finite
         self.local_finite = torch.ones((), dtype=torch.bool, device=state.device)  # this replica's gradient
@@ -635,8 +635,7 @@ class StepSync:
         mats = [self.grads[s] for s in slots
                 if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
         sums = lowrank_error_sums(mats, [state.r_min, state.r_max], cfg.warmup_error_norm)
-        self.error_sums = sums if self.error_sums is None else [a + b for a, b in zip(self.error_sums, sums,
-                                                                                       strict=True)]
+        self.error_sums = [a + b for a, b in zip(self.error_sums, sums, strict=True)]
 
     def _commit(self) -> bool:
         """Keep the step's new error feedback and Q if every sum was finite; returns

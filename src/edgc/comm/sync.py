@@ -689,8 +689,7 @@ class GradientSync:
                     self._bind()
                 self.device = buffer.device
                 if self.eager and self._expected_shapes is not None:
-                    self._check_expected_shapes()  # (a state loaded after declare)
-                    self._expected_shapes = None
+                    self._expected_shapes = None  # (checked by declare or load_state_dict, whichever came last)
                     self._restore_groups(collections.defaultdict(lambda: buffer.device),
                                          {g["slots"][0]: _saved_dtype(g) for g in self._pending_groups or []})
                 sync = self._sync = StepSync(self, pipelined=self._pipelined_next())

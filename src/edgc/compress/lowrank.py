@@ -145,12 +145,10 @@ def lowrank_error_sums(matrices: list[torch.Tensor], ranks: list[int], norm: str
     return [*tail, total]
 
 
-def lowrank_errors_from_sums(sums: list[float] | None, norm: str = "relative") -> list[float]:
-    """The errors from `lowrank_error_sums` (added over any number of calls; None: no
-    matrices): "relative" the relative Frobenius error sqrt(tail / total), "l1" the mean
-    absolute error per element tail / total; nan for every rank when total is 0."""
-    if sums is None:
-        return [float("nan")] * 2
+def lowrank_errors_from_sums(sums: list[float], norm: str = "relative") -> list[float]:
+    """The errors from `lowrank_error_sums` (added over any number of calls): "relative"
+    the relative Frobenius error sqrt(tail / total), "l1" the mean absolute error per
+    element tail / total; nan for every rank when total is 0 (no matrices)."""
     *tail, total = sums
     if total == 0.0:
         return [float("nan")] * len(tail)

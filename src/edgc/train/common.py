@@ -17,8 +17,8 @@ from edgc.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "lr_at", "model_config", "param_groups",
-           "restore_rank", "tell_learning_rate", "window_signals"]
+__all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "load_plain_weights", "lr_at", "model_config",
+           "param_groups", "restore_rank", "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -160,6 +160,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def load_plain_weights(module: torch.nn.Module, opt: torch.optim.Optimizer, weights: dict[str, Any]) -> None:
+    """Load a checkpoint's "model" and "optimizer" into a plain (unsharded) module and its optimiser."""
+    module.load_state_dict(weights["model"])
+    opt.load_state_dict(weights["optimizer"])
+
+
 def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
                  opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, *,
                  load_weights: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None,
@@ -167,11 +173,7 @@ def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn
     """Load `weights` ({"model", "optimizer"}) and this rank's compression state, batch
     generator and RNG from a checkpoint; returns the step it was taken at. `load_weights`
     loads the first two where the module is not a plain one (a sharded model)."""
-    if load_weights is not None:
-        load_weights(module, opt, weights)
-    else:
-        module.load_state_dict(weights["model"])
-        opt.load_state_dict(weights["optimizer"])
+    (load_weights or load_plain_weights)(module, opt, weights)
     mine = replica_entry(ckpt["replicas"])
     hook_state.load_state_dict(mine["comm"])
     gen.set_state(mine["generator"])

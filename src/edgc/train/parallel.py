@@ -32,6 +32,7 @@ from edgc.comm.baselines import (
     torch_powersgd_hook,
 )
 from edgc.config import EDGCConfig
+from edgc.train.common import load_plain_weights
 from edgc.train.config import TrainConfig
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -58,11 +59,8 @@ def data_parallel(cfg: TrainConfig, model: nn.Module, device: torch.device, worl
     def sync(last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else ddp.no_sync()
 
-    def load(module: nn.Module, opt: torch.optim.Optimizer, weights: dict[str, Any]) -> None:
-        module.load_state_dict(weights["model"])
-        opt.load_state_dict(weights["optimizer"])
-
-    return DataParallel(ddp, _attach_hook(cfg, ddp), None, sync, lambda m, o: (m.state_dict(), o.state_dict()), load)
+    return DataParallel(ddp, _attach_hook(cfg, ddp), None, sync, lambda m, o: (m.state_dict(), o.state_dict()),
+                        load_plain_weights)
 
 
 def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:

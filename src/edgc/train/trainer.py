@@ -346,8 +346,10 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
         batches += 1
     if lockstep:
         most = -(-len(every[0::world]) // cfg.batch_size)  # (rank 0 holds the most blocks)
-        for _ in range(most - batches):
-            model(next(eval_batches(val, every[:1], cfg.block_size, cfg.batch_size, device)).x)
+        if most > batches:
+            spare = next(eval_batches(val, every[:1], cfg.block_size, cfg.batch_size, device)).x
+            for _ in range(most - batches):
+                model(spare)
     model.train()
     return moments.result(cfg.block_size)
 
