@@ -16,7 +16,8 @@ from edgc import EDGCConfig
 
 # Small enough to run in seconds, big enough that its matrices compress at rank 2: two
 # warm-up steps, then compression; windows of 2 steps so the policy acts within the run.
-CONFIG = dict(warmup_steps=2, window=2, max_rank=4, min_rank=2, iteration_sample_rate=1.0, warmup_error_check=False)
+CONFIG = dict(warmup_steps=2, window=2, max_rank=4, min_rank=2, iteration_sample_rate=1.0, warmup_error_check=False,
+              warmup_max_error=None)
 
 # "critical" with a threshold rho never reaches: r_max = 4 for the first compressed window
 # (steps 3-4: no earlier window to compare with), then r_lo = 2, and r_max again only for

@@ -228,13 +228,14 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (out / "pareto.md").read_text()
-    for name in ("none", "powersgd-r1", "powersgd-r2", "powersgd-r4", "torch-powersgd-r4", "edgc-cqm"):
+    for name in ("none", "powersgd-r1", "powersgd-r2", "powersgd-r4", "torch-powersgd-r4", "edgc-noise", "edgc-cqm"):
         assert f"| {name} |" in text, name
     assert (out / "pareto-bytes.png").is_file() and (out / "pareto-time.png").is_file()
-    assert "edgc-cqm: reaches" in text or "edgc-cqm: does not reach" in text
+    for name in ("edgc-noise", "edgc-cqm"):
+        assert f"{name}: reaches" in text or f"{name}: does not reach" in text
     # a second call reuses the finished runs
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 6
+    assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 7
     # more policies, two runs at a time: the finished runs are reused, the new ones trained side by side
     cmd[cmd.index("--out"):cmd.index("--out")] = ["--policies", "cqm,spectral,schedule=0:4,3:2", "--jobs", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

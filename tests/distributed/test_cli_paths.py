@@ -97,14 +97,14 @@ def _straight_and_resumed(data_dir, tmp_path, common, stop, steps):
 def test_metrics_show_what_each_step_did(tmp_path, data_dir):
     out = tmp_path / "run"
     assert main(_train(data_dir, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
-                       "--edgc-window", "2")) == 0
+                       "--edgc-warmup-max-error", "null", "--edgc-window", "2")) == 0
     train = _train_records(out)
-    # steps 1-2 are the warm-up: sent whole (plus the small control vector), at rank 0
+    # steps 1-2 are the (fixed) warm-up: sent whole (plus the small control vector), at rank 0
     for r in train[:2]:
         assert (r["phase"], r["rank"]) == ("warmup", 0), r
         assert r["bytes_sent"] >= r["bytes_uncompressed"]
     for r in train[2:]:
-        assert r["phase"] == "compress" and r["rank"] == 4, r
+        assert r["phase"] == "compress" and 0 < r["rank"] <= 4, r  # (the noise policy may lower it)
         assert r["bytes_sent"] < r["bytes_uncompressed"] / 2
 
 

@@ -9,10 +9,11 @@ import torch
 import workers
 from harness import assert_same, run_workers
 
-# Small windows and alpha = 1 so that 60 steps hold many rank decisions.
+# Small windows and alpha = 1 so that 60 steps hold many rank decisions, after a fixed
+# warm-up of 4 steps.
 DYNAMIC = dict(
     policy="cqm", max_rank=8, min_rank=2, rank_step=2, window=4, warmup_steps=4,
-    iteration_sample_rate=1.0, warmup_error_check=False, min_compression_rate=1.0,
+    iteration_sample_rate=1.0, warmup_error_check=False, warmup_max_error=None, min_compression_rate=1.0,
 )
 
 
@@ -166,7 +167,7 @@ def test_critical_policy_replicas_bit_identical_while_rank_moves_both_ways(world
     assert all(0 <= r < 10 for r in rhos), rhos
     noise = [s[4] for s in first["signals"][3::4]]
     assert math.isfinite(noise[0]) and noise[0] > 0, noise  # (window 1: warm-up, the unbiased average)
-    assert math.isnan(first["stats"].entropy)  # no entropy estimated: the rule does not read it
+    assert math.isfinite(first["stats"].entropy)  # measured for the plots, though the rule does not read it
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "whole-step"])

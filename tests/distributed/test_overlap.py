@@ -7,7 +7,8 @@ import workers
 from harness import run_workers
 from test_hook_ddp import DYNAMIC
 
-STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup_error_check=False, min_compression_rate=1.0)
+STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup_error_check=False, warmup_max_error=None,
+              min_compression_rate=1.0)
 
 
 def _assert_same_maths(run, whole):

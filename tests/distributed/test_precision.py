@@ -9,7 +9,7 @@ import workers
 from harness import run_workers
 
 STATIC = dict(policy="static", max_rank=4, warmup_steps=2, window=4, warmup_error_check=False,
-              min_compression_rate=1.0)
+              warmup_max_error=None, min_compression_rate=1.0)
 
 
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])

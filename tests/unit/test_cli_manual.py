@@ -47,7 +47,8 @@ def test_train_help_reads_as_a_manual():
     assert "--progress [true|false], --no-progress Show" in text
     assert "EDGC__" not in text and "DAC__" not in text and "TEXT" in text  # (TEXT: the description)
     # an EDGC default scaled to the run is given in words, the others as EDGCConfig's
-    assert "(default: steps // 10, at least 1)" in text and "--edgc-bins INT Histogram bins" in text
+    assert "(default: steps // 10, at least 1 (the longest, with --edgc-warmup-max-error))" in text
+    assert "--edgc-bins INT Histogram bins" in text
     assert "MAX_BINS (2**20). (default: 1000)" in text
     # the groups, in order, then the examples
     headings = ["which run:", "model and gradient sync:", "workers and parallel layout:", "optimisation:", "data:",
@@ -217,7 +218,8 @@ def _train_steps(state, hook, steps: int, every: int, log) -> list[bool]:
 
 
 def test_log_stats_reports_every_n_steps(one_process_group):
-    state = EDGCState(None, EDGCConfig(max_rank=2, warmup_steps=2, window=2, iteration_sample_rate=1.0))
+    state = EDGCState(None, EDGCConfig(max_rank=2, warmup_steps=2, warmup_max_error=None, window=2,
+                                       iteration_sample_rate=1.0))
     got = []
     logged = _train_steps(state, edgc_hook, 6, 2, lambda scalars, step: got.append((step, scalars)))
     assert logged == [False, True, False, True, False, True]

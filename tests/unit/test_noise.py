@@ -1,5 +1,6 @@
 """The "noise" rank policy as pure maths (float64, hand-computed values), the warm-up the
-gradient ends (EDGCConfig.warmup_max_error) as a gate fed given errors, and their config."""
+gradient ends (EDGCConfig.warmup_max_error) as a gate fed given errors, and their config:
+both are the defaults, and a run saved before them resumes as it ran."""
 
 import math
 
@@ -8,6 +9,9 @@ import pytest
 from edgc import EDGCConfig
 from edgc.policy import WarmupGate
 from edgc.policy.noise import next_noise_rank, noise_rank
+from edgc.train.checkpoint import save_checkpoint
+from edgc.train.config import TrainConfig
+from edgc.train.trainer import resume_config
 
 NAN, INF = float("nan"), float("inf")
 
@@ -80,6 +84,28 @@ def test_config_errors_name_the_field(values, field):
 
 
 def test_config_defaults():
-    cfg = EDGCConfig(policy="noise", max_rank=32)
-    assert (cfg.noise_exponent, cfg.warmup_max_error) == (0.5, None)
+    cfg = EDGCConfig(max_rank=32)
+    assert (cfg.policy, cfg.noise_exponent, cfg.warmup_max_error) == ("noise", 0.5, 0.1)
     assert EDGCConfig(warmup_max_error=1.0).warmup_max_error == 1.0
+
+
+def test_the_default_is_noise_with_the_warmup_the_gradient_ends():
+    assert (TrainConfig().edgc_config().policy, TrainConfig().edgc_config().warmup_max_error) == ("noise", 0.1)
+    static = TrainConfig(method="powersgd").edgc_config()
+    assert (static.policy, static.warmup_max_error) == ("static", 0.1)
+    # the release's error check, or its absolute error, takes the fixed warm-up, and says so
+    for values in (dict(warmup_error_check=True), dict(warmup_error_norm="l1")):
+        with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: .*set it to None"):
+            EDGCConfig(**values)
+        assert EDGCConfig(**values, warmup_max_error=None).warmup_max_error is None
+
+
+def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warmup(tmp_path):
+    old = TrainConfig(out=str(tmp_path), edgc={"policy": "cqm"}).resolve().to_dict()
+    del old["edgc"]["warmup_max_error"], old["edgc"]["noise_exponent"]  # (as runs were saved before them)
+    save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": old})
+    resumed = resume_config(tmp_path / "checkpoint.pt", {}).edgc_config()
+    assert (resumed.policy, resumed.warmup_max_error, resumed.noise_exponent) == ("cqm", None, 0.5)
+    new = TrainConfig(out=str(tmp_path)).resolve().to_dict()
+    save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
+    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup_max_error == 0.1

@@ -200,9 +200,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1000, help="steps of every run")
     p.add_argument("--nproc", type=int, default=2, help="workers of every run")
     p.add_argument("--rank", type=int, default=32, help="r_max; static ranks r_max/8 .. r_max")
-    p.add_argument("--policies", default="cqm",
+    p.add_argument("--policies", default="noise;cqm",
                    help="dynamic policies, separated by ';' or ',' (EDGCConfig.policy); a rank schedule as "
-                        "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\")")
+                        "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\"; default: the default "
+                        "policy and the paper's)")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")

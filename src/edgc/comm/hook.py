@@ -2,7 +2,7 @@
 
 Usage (the calling convention of torch's powerSGD_hook):
 
-    state = EDGCState(process_group=None, config=EDGCConfig(policy="cqm", max_rank=32))
+    state = EDGCState(process_group=None, config=EDGCConfig(max_rank=32))
     ddp.register_comm_hook(state, edgc_hook)
 
 DDP hands the hook one bucket at a time. The adapter turns a bucket into what the core

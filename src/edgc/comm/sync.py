@@ -97,7 +97,7 @@ from edgc.comm.stepsync import (
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.comm.windowgrad import WindowGradient
 from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
-from edgc.config import GROUP_POLICIES, EDGCConfig
+from edgc.config import EARLIER_DEFAULTS, GROUP_POLICIES, EDGCConfig
 from edgc.entropy import is_sampled_step, sample_offsets, sample_stride
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
@@ -122,11 +122,6 @@ _VERSION = 1  # (version-1 states written before "replica" existed load without 
 _REQUIRED_KEYS = ("world_size", "config", "step", "phase", "r_min", "r_max", "slot_shapes", "uncompressed_slots",
                   "groups", "generator", "controller", "gate", "calibration", "stats")
 _REQUIRED_STATS = ("comm_seconds", "entropy_seconds", "compress_seconds")
-# The config fields of the "critical" and "noise" policies and of the gradient-decided warm-up
-# at their defaults, for states written before them.
-_LATER_FIELD_DEFAULTS = {name: EDGCConfig.__dataclass_fields__[name].default
-                      for name in ("critical_threshold", "critical_low_rank", "lr_drop_factor", "noise_exponent",
-                                   "warmup_max_error")}
 
 
 @dataclass
@@ -551,9 +546,8 @@ class GradientSync:
             self._check_identity(*identity)
         else:
             self._loaded_identity = identity  # checked when the hook binds its group
-        # ("whole-step": the only mode before "sync_mode" existed; the "critical" fields came
-        # later still, and a state without them ran no such policy)
-        saved_config = {"sync_mode": "whole-step", **_LATER_FIELD_DEFAULTS, **d["config"]}
+        # (a state saved before a field existed ran with its EARLIER_DEFAULTS value)
+        saved_config = {**EARLIER_DEFAULTS, **d["config"]}
         if saved_config != self.config.to_dict():
             changed = sorted(k for k, v in saved_config.items() if self.config.to_dict().get(k) != v)
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values", changed)
@@ -747,11 +741,11 @@ class GradientSync:
         self.step += 1
         step, cfg = self.step, self.config
         # (static, schedule and the per-group policies decide nothing from the gradient's sample, so
-        # they pay nothing for it; "critical" and "noise" sample it for the noise scale, but need no
-        # entropy)
+        # they pay nothing for it; "critical" and "noise" decide from the noise scale, and measure
+        # the entropy too, for the user's plots and the paper's comparison)
         sampled = (cfg.policy not in ("static", "schedule", *GROUP_POLICIES)
                    and is_sampled_step(step, cfg.iteration_sample_rate))
-        want_entropy = sampled and cfg.policy not in ("critical", "noise")
+        want_entropy = sampled
         critical = cfg.policy == "critical"
         want_errors = self.phase == "warmup" and self.gate.needs_errors(step) and self.calibration["done"]
         self.step_phase, self.step_rank = self.phase, 0

@@ -69,9 +69,9 @@ class TrainConfig:
     #: The EDGCConfig defaults that `edgc_config` scales to the run, in words (the CLI's
     #: help shows them in place of EDGCConfig's own defaults).
     SCALED_EDGC_DEFAULTS: ClassVar[dict[str, str]] = {
-        "policy": '"static" with --method powersgd, else "cqm"', "max_rank": "--rank",
+        "policy": f'"static" with --method powersgd, else "{EDGCConfig().policy}"', "max_rank": "--rank",
         "window": "steps // 15, at least 5", "iteration_sample_rate": "5 / window, in [0.1, 1]",
-        "warmup_steps": "steps // 10, at least 1", "seed": "--seed",
+        "warmup_steps": "steps // 10, at least 1 (the longest, with --edgc-warmup-max-error)", "seed": "--seed",
     }
     #: Placeholders for values that are not plain text (the CLI's help shows them).
     METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR", "lr_drop_steps": "STEP,..."}
@@ -474,7 +474,7 @@ class TrainConfig:
         """
         window = self.edgc.get("window", max(5, self.steps // 15))
         values: dict[str, Any] = {
-            "policy": "static" if self.method == "powersgd" else "cqm",
+            "policy": "static" if self.method == "powersgd" else EDGCConfig().policy,
             "max_rank": self.rank,
             "window": window,
             # (an invalid window is left for EDGCConfig to reject by name)

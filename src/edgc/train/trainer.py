@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.replicas import gather_replicas
+from edgc.config import EARLIER_DEFAULTS
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
@@ -140,8 +141,8 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     saved = dict(load_checkpoint(checkpoint)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
-    if values["edgc"] and "sync_mode" not in values["edgc"]:
-        values["edgc"]["sync_mode"] = "whole-step"  # (runs made before the pipelined mode existed)
+    if values["edgc"]:  # (a run saved before a field existed ran with its EARLIER_DEFAULTS value)
+        values["edgc"] = {**EARLIER_DEFAULTS, **values["edgc"]}
     refused: list[str] = []
     changed: list[str] = []
 
