@@ -109,3 +109,19 @@ def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warm
     new = TrainConfig(out=str(tmp_path)).resolve().to_dict()
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup_max_error == 0.1
+
+
+def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tmp_path, monkeypatch):
+    # each stage measures its own gradient: the stages would end their warm-ups apart, and
+    # the DAC's window-end exchange needs them all compressing
+    from edgc.comm import EDGCState
+    from edgc.comm.pipeline import StageAlignment
+
+    monkeypatch.chdir(tmp_path)
+    assert TrainConfig(pp=2, nproc=2).edgc_config().warmup_max_error is None
+    assert TrainConfig(pp=2, nproc=2).edgc_config().policy == "noise"
+    with pytest.raises(ValueError, match="warmup_max_error: the pipeline's stages would end the warm-up"):
+        TrainConfig(pp=2, nproc=2, edgc={"warmup_max_error": 0.1}).validate()
+    with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: a pipeline's stages"):
+        EDGCState(None, EDGCConfig(max_rank=4), alignment=StageAlignment(0, 2, None))
+    EDGCState(None, EDGCConfig(max_rank=4, warmup_max_error=None), alignment=StageAlignment(0, 2, None))

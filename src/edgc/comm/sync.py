@@ -209,7 +209,13 @@ class GradientSync:
         config.validate()
         if config.policy in (*GROUP_POLICIES, "schedule") and alignment is not None:
             raise ValueError(f'policy "{config.policy}" does not take the DAC\'s stage alignment yet; '
-                             'use "cqm", "linear" or "static" in a pipeline')
+                             'use "noise", "cqm", "linear", "critical" or "static" in a pipeline')
+        if config.warmup_max_error is not None and alignment is not None:
+            # (each stage measures its own gradient, so the stages would end their warm-ups at
+            # different steps, and the DAC's window-end exchange needs every stage compressing)
+            raise ValueError(f"EDGCConfig.warmup_max_error={config.warmup_max_error!r}: a pipeline's stages would end "
+                             "the warm-up at different steps; use warmup_max_error=None (a fixed warm-up) in a "
+                             "pipeline")
         # hyperparameters
         self.config = config
         self._process_group = process_group

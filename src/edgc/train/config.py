@@ -365,7 +365,10 @@ class TrainConfig:
                               "compressor, or none)")
             if self.edgc.get("policy") in (*GROUP_POLICIES, "schedule"):
                 bad("edgc", f'policy "{self.edgc["policy"]}" does not take the DAC\'s stage alignment yet; '
-                            "use cqm, linear or static with pp > 1")
+                            "use noise, cqm, linear, critical or static with pp > 1")
+            if self.edgc.get("warmup_max_error") is not None:
+                bad("edgc", "warmup_max_error: the pipeline's stages would end the warm-up at different steps; "
+                            "give null (a fixed warm-up, the default with pp > 1)")
             if self.grad_accum != 1:
                 bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
             if self.dtype != "fp32":
@@ -484,6 +487,9 @@ class TrainConfig:
             # a pipeline stage syncs after its backward pass and sends (edgc.comm.pipeline):
             # there is nothing to overlap, and whole steps keep its DAC timings whole
             "sync_mode": "whole-step" if self.pp > 1 else "pipelined",
+            # each stage measures its own gradient, so a warm-up the gradient ends would end
+            # at different steps in different stages: a pipeline keeps the fixed warm-up
+            **({"warmup_max_error": None} if self.pp > 1 else {}),
         }
         values.update(self.edgc)
         return EDGCConfig.from_dict(values)
