@@ -106,6 +106,8 @@ def test_metrics_show_what_each_step_did(tmp_path, data_dir):
     for r in train[2:]:
         assert r["phase"] == "compress" and 0 < r["rank"] <= 4, r  # (the noise policy may lower it)
         assert r["bytes_sent"] < r["bytes_uncompressed"] / 2
+    # the default policy decides from the noise scale, and measures the entropy for the plots
+    assert all(isinstance(r["entropy"], float) and math.isfinite(r["entropy"]) for r in train), train
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
