@@ -74,9 +74,9 @@ config.json, metrics.jsonl, checkpoint.pt, summary.md and plots. Without torchru
 
 EDGC sends every step whole until its warm-up ends: as soon as rank --rank would leave out at \
 most a tenth of the gradient's norm (--edgc-warmup-max-error 0.1), and at the latest after \
---edgc-warmup-steps (by default a tenth of --steps). It then compresses at a rank that starts \
-at --rank and falls as the gradient's noise grows (--edgc-policy noise; "cqm" is the paper's \
-rule, which follows the gradient's entropy).
+--edgc-warmup-steps (by default a tenth of --steps; with --pp > 1, always then). It then \
+compresses at a rank that starts at --rank and falls as the gradient's noise grows \
+(--edgc-policy noise; "cqm" is the paper's rule, which follows the gradient's entropy).
 
 Each value is read by its option's type: INT (digits, no 1e3), FLOAT (a finite number), \
 TEXT or DIR (as written: --out 2024 is a folder), one of {the,listed,choices}, true|false, or \
