@@ -347,6 +347,20 @@ EARLIER_DEFAULTS: dict[str, Any] = {
 }
 
 
+def pipeline_refusal(config: EDGCConfig) -> str | None:
+    """Why `config` cannot run on a pipeline's stages (under the DAC's stage alignment), or
+    None: one answer for `edgc train --pp` and for a GradientSync given an alignment."""
+    if config.policy in (*GROUP_POLICIES, "schedule"):
+        return (f'EDGCConfig.policy={config.policy!r}: does not take the DAC\'s stage alignment yet; use "noise", '
+                '"cqm", "linear", "critical" or "static" in a pipeline')
+    if config.warmup_max_error is not None:
+        # (each stage measures its own gradient, so the stages would end their warm-ups at
+        # different steps, and the DAC's window-end exchange needs every stage compressing)
+        return (f"EDGCConfig.warmup_max_error={config.warmup_max_error!r}: a pipeline's stages would end the "
+                "warm-up at different steps; use None (a fixed warm-up, the default of edgc train with pp > 1)")
+    return None
+
+
 def reject_unknown_fields(cls: type, values: dict[str, Any], message: str) -> None:
     """Raise ValueError '<message> [...]; known: [...]' if `values` has keys that are not
     fields of the dataclass `cls` (shared by every config's from_dict)."""

@@ -120,8 +120,14 @@ def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tm
     monkeypatch.chdir(tmp_path)
     assert TrainConfig(pp=2, nproc=2).edgc_config().warmup_max_error is None
     assert TrainConfig(pp=2, nproc=2).edgc_config().policy == "noise"
-    with pytest.raises(ValueError, match="warmup_max_error: the pipeline's stages would end the warm-up"):
+    # one answer through both doors: edgc train's config, and a state given an alignment
+    with pytest.raises(ValueError, match="warmup_max_error=0.1: a pipeline's stages would end the warm-up"):
         TrainConfig(pp=2, nproc=2, edgc={"warmup_max_error": 0.1}).validate()
     with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: a pipeline's stages"):
         EDGCState(None, EDGCConfig(max_rank=4), alignment=StageAlignment(0, 2, None))
     EDGCState(None, EDGCConfig(max_rank=4, warmup_max_error=None), alignment=StageAlignment(0, 2, None))
+    with pytest.raises(ValueError, match="policy='budget': does not take the DAC's stage alignment"):
+        TrainConfig(pp=2, nproc=2, edgc={"policy": "budget"}).validate()
+    with pytest.raises(ValueError, match="policy='budget': does not take the DAC's stage alignment"):
+        EDGCState(None, EDGCConfig(max_rank=4, policy="budget", warmup_max_error=None),
+                  alignment=StageAlignment(0, 2, None))

@@ -97,7 +97,7 @@ from edgc.comm.stepsync import (
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.comm.windowgrad import WindowGradient
 from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q, resize_q
-from edgc.config import EARLIER_DEFAULTS, GROUP_POLICIES, EDGCConfig
+from edgc.config import EARLIER_DEFAULTS, GROUP_POLICIES, EDGCConfig, pipeline_refusal
 from edgc.entropy import is_sampled_step, sample_offsets, sample_stride
 from edgc.policy import ErrorModel, RankController, WarmupGate, calibrated_max_rank, probe_ranks
 from edgc.policy.budget import budget_rank, equivalent_rank
@@ -207,9 +207,6 @@ class GradientSync:
         if not isinstance(config, EDGCConfig):
             raise TypeError(f"config must be an EDGCConfig, got {type(config).__name__}")
         config.validate()
-        if config.policy in (*GROUP_POLICIES, "schedule") and alignment is not None:
-            raise ValueError(f'policy "{config.policy}" does not take the DAC\'s stage alignment yet; '
-                             'use "noise", "cqm", "linear", "critical" or "static" in a pipeline')
         # hyperparameters
         self.config = config
         self._process_group = process_group
@@ -220,12 +217,8 @@ class GradientSync:
                              "and this synchroniser averages it buffer by buffer")
         if eager and alignment is not None:
             raise ValueError("a pipeline stage's alignment needs the DDP adapter, not the eager one")
-        if config.warmup_max_error is not None and alignment is not None:
-            # (each stage measures its own gradient, so the stages would end their warm-ups at
-            # different steps, and the DAC's window-end exchange needs every stage compressing)
-            raise ValueError(f"EDGCConfig.warmup_max_error={config.warmup_max_error!r}: a pipeline's stages would end "
-                             "the warm-up at different steps; use warmup_max_error=None (a fixed warm-up) in a "
-                             "pipeline")
+        if alignment is not None and (why := pipeline_refusal(config)) is not None:
+            raise ValueError(why)
         self._bound: tuple[int, int] | None = None  # (world size, replica rank) from the first step
         self._control_size = 1  # members of the control group (bound with the group)
         self._group_dropped = False  # unpickled from a state whose own group could not travel

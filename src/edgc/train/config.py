@@ -13,7 +13,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from edgc.config import GROUP_POLICIES, MAX_RANK, SEED_LIMIT, EDGCConfig, check_field_types, reject_unknown_fields
+from edgc.config import (
+    MAX_RANK,
+    SEED_LIMIT,
+    EDGCConfig,
+    check_field_types,
+    pipeline_refusal,
+    reject_unknown_fields,
+)
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 
@@ -363,12 +370,8 @@ class TrainConfig:
             if self.method in ("torch-powersgd", "compute-only"):
                 bad("method", f"{self.method} is not supported with pp > 1 (use powersgd, our static-rank "
                               "compressor, or none)")
-            if self.edgc.get("policy") in (*GROUP_POLICIES, "schedule"):
-                bad("edgc", f'policy "{self.edgc["policy"]}" does not take the DAC\'s stage alignment yet; '
-                            "use noise, cqm, linear, critical or static with pp > 1")
-            if self.edgc.get("warmup_max_error") is not None:
-                bad("edgc", "warmup_max_error: the pipeline's stages would end the warm-up at different steps; "
-                            "give null (a fixed warm-up, the default with pp > 1)")
+            if (why := pipeline_refusal(self.edgc_config())) is not None:
+                bad("edgc", why)
             if self.grad_accum != 1:
                 bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
             if self.dtype != "fp32":
