@@ -240,3 +240,13 @@ def test_log_stats_default_is_a_log_line_and_every_is_checked(one_process_group,
     for every in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="every="):
             log_stats(AllReduceState(None), every=every)
+
+
+def test_a_pipeline_refuses_the_gradient_ended_warmup_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--pp", "2", "--dp", "1", "--edgc-warmup-max-error", "0.1", "--out", str(out),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "warmup_max_error=0.1: a pipeline's stages would end the warm-up at different steps" in err
+    assert not out.exists()
