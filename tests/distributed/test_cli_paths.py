@@ -141,7 +141,7 @@ def test_device_and_dtype_errors(tmp_path, data_dir, capsys):
 
 def test_pipeline_refuses_what_it_does_not_support_yet(tmp_path, data_dir, capsys):
     assert main(_train(data_dir, tmp_path / "a", "--pp", "2", "--edgc-policy", "budget")) == 2
-    assert 'policy "budget"' in capsys.readouterr().err
+    assert "policy='budget': does not take the DAC's stage alignment yet" in capsys.readouterr().err
     assert main(_train(data_dir, tmp_path / "b", "--pp", "2", "--dtype", "bf16")) == 2
     assert "mixed precision is not supported with pp > 1" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before writing anything
