@@ -184,7 +184,7 @@ reused, so a stopped sweep continues where it was."""
 
 _EXAMPLES = """\
 examples:
-  edgc bench pareto --steps 1000                                     the CQM policy against static ranks
+  edgc bench pareto --steps 1000                                     noise and cqm against static ranks
   edgc bench pareto --policies "cqm;spectral;schedule=0:32,500:16"   three dynamic policies
   edgc bench pareto --jobs 2 --skip powersgd-r4,torch-powersgd-r32   2 runs at once, 2 runs left out
   edgc bench pareto --data data/mine --bandwidth 200mbit -- --lr 3e-4
