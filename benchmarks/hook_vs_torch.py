@@ -71,7 +71,7 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict
         counter["sync"] = True  # wait per bucket: keeps gloo's collective order fixed
         ddp.register_comm_hook(state, _timed(torch_psgd.powerSGD_hook, counter))
     elif method == "edgc-static":
-        config = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=1, warmup_error_check=False)
+        config = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=1)
         ddp.register_comm_hook(EDGCState(None, config), _timed(edgc_hook, counter))
     original, patched = _counting_all_reduce(counter)
     dist.all_reduce = patched

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from edgc import __version__
-from edgc.config import EDGCConfig, FieldType, field_docs, field_types
+from edgc.config import EDGCConfig
+from edgc.fields import FieldType, field_docs, field_types
+from edgc.policy.registry import policy_names
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -73,8 +75,9 @@ config.json, metrics.jsonl, checkpoint.pt, summary.md and plots. Without torchru
 --nproc local workers (gloo, or NCCL with a GPU each); under torchrun it joins the job.
 
 EDGC sends every step whole until its warm-up ends: as soon as rank --rank would leave out at \
-most a tenth of the gradient's norm (--edgc-warmup-max-error 0.1), and at the latest after \
---edgc-warmup-steps (by default a tenth of --steps; with --pp > 1, always then). It then \
+most a tenth of the gradient's norm (--edgc-warmup gradient, --edgc-warmup-max-error 0.1), and \
+at the latest after --edgc-warmup-steps (by default a tenth of --steps; with --pp > 1, always \
+then: --edgc-warmup fixed). It then \
 compresses at a rank that starts at --rank and falls as the gradient's noise grows \
 (--edgc-policy noise; "cqm" is the paper's rule, which follows the gradient's entropy).
 
@@ -128,10 +131,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tuple[str, ...] | None = None,
                 shown_defaults: dict[str, str] | None = None) -> None:
     """One flag --<flag_prefix><field> per field of the config dataclass `cls` (those in
-    `names`, by default all), parsed by the field's type (edgc.config.FieldType.parse),
+    `names`, by default all), parsed by the field's type (edgc.fields.FieldType.parse),
     with its docstring and default as help, its CHOICES or METAVARS entry as placeholder;
-    `shown_defaults` gives a default in words where the run sets it. Dict fields
-    (TrainConfig.edgc, .dac) have flags of their own and none here."""
+    `shown_defaults` gives a default in words where the run sets it. A section's fields
+    (EDGCConfig.noise) have flags --<flag_prefix><section>-<field>, whose dest joins them
+    with "_" (the config's flat form, "noise_exponent"). Dict fields (TrainConfig.edgc,
+    .dac) have flags of their own and none here."""
     choices = getattr(cls, "CHOICES", {})
     metavars = getattr(cls, "METAVARS", {})
     docs = field_docs(cls)
@@ -140,6 +145,9 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
     for name in names or types:
         ftype = types[name]
         if ftype.kind is dict:
+            continue
+        if ftype.section:
+            _add_fields(group, ftype.kind, f"{flag_prefix}{name.replace('_', '-')}-", f"{dest_prefix}{name}_")
             continue
         flag = f"--{flag_prefix}{name.replace('_', '-')}"
         shown = (shown_defaults or {}).get(name) or _shown(defaults[name])
@@ -152,6 +160,8 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
             metavar = "{" + ",".join(choices[name]) + "}"
         elif name in metavars:
             metavar = metavars[name] + ("|null" if ftype.optional else "")
+        elif cls is EDGCConfig and name == "policy":
+            metavar = "{" + ",".join(policy_names()) + "}"
         else:
             metavar = ftype.metavar
         group.add_argument(flag, dest=dest_prefix + name, type=_typed(ftype), default=argparse.SUPPRESS,

@@ -62,7 +62,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from edgc.comm.baselines import NativeHSDPState
-from edgc.comm.sync import EDGCStats, Entry, GradientSync
+from edgc.comm.compression import Entry
+from edgc.comm.stats import EDGCStats
+from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
 
 logger = logging.getLogger(__name__)

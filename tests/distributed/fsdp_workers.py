@@ -65,7 +65,7 @@ def build(mode: str, layout: tuple[int, int], config: dict | None, dtype: str | 
     for block in model.blocks:
         fully_shard(block, mesh=target, mp_policy=mp)
     fully_shard(model, mesh=target, mp_policy=mp)
-    state = register_edgc(model, mesh, EDGCConfig(**config)) if mode == "edgc" else None
+    state = register_edgc(model, mesh, EDGCConfig.from_dict(config)) if mode == "edgc" else None
     return model, state, mesh
 
 

@@ -16,8 +16,7 @@ from edgc import EDGCConfig
 
 # Small enough to run in seconds, big enough that its matrices compress at rank 2: two
 # warm-up steps, then compression; windows of 2 steps so the policy acts within the run.
-CONFIG = dict(warmup_steps=2, window=2, max_rank=4, min_rank=2, iteration_sample_rate=1.0, warmup_error_check=False,
-              warmup_max_error=None)
+CONFIG = dict(warmup_steps=2, window=2, max_rank=4, min_rank=2, iteration_sample_rate=1.0, warmup="fixed")
 
 # "critical" with a threshold rho never reaches: r_max = 4 for the first compressed window
 # (steps 3-4: no earlier window to compare with), then r_lo = 2, and r_max again only for
@@ -110,7 +109,7 @@ def lightning_run(rank: int, world: int, out: str) -> dict[str, Any]:
     def fit(name: str, ckpt_path: str | None = None, seed: int = 0) -> tuple[L.LightningModule, EDGCCallback]:
         torch.manual_seed(seed)
         model = _lightning_net()
-        callback = EDGCCallback(EDGCConfig(**CONFIG))
+        callback = EDGCCallback(EDGCConfig.from_dict(CONFIG))
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy="ddp", max_steps=6, log_every_n_steps=1,
             use_distributed_sampler=False,
@@ -150,7 +149,7 @@ def lightning_lr_drop_run(rank: int, world: int, out: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = _lightning_net(drop_at=DROP_AT)
-    edgc = EDGCCallback(EDGCConfig(**CRITICAL), log_stats=False)
+    edgc = EDGCCallback(EDGCConfig.from_dict(CRITICAL), log_stats=False)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=DROP_STEPS,
                         use_distributed_sampler=False, callbacks=[edgc, Record()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -202,7 +201,7 @@ def trainer_run(rank: int, world: int, out: str) -> dict[str, Any]:
             logging_steps=1, report_to="none", use_cpu=True, ddp_find_unused_parameters=False, seed=0,
             disable_tqdm=True, dataloader_num_workers=0)
         trainer = Trainer(model=model, args=args, train_dataset=data)
-        callback = EDGCTrainerCallback(EDGCConfig(**CONFIG)).attach(trainer)
+        callback = EDGCTrainerCallback(EDGCConfig.from_dict(CONFIG)).attach(trainer)
         trainer.train(resume_from_checkpoint=resume)
         return model, callback, trainer
 
@@ -243,7 +242,7 @@ def trainer_lr_drop_run(rank: int, world: int, out: str) -> dict[str, Any]:
     # 32 blocks, 16 per rank, 2 micro-batches of 1 per step: DROP_STEPS steps in one epoch
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(4 * DROP_STEPS), optimizers=(opt, drop),
                       callbacks=[Record()])
-    edgc = EDGCTrainerCallback(EDGCConfig(**CRITICAL), log_stats=False).attach(trainer)
+    edgc = EDGCTrainerCallback(EDGCConfig.from_dict(CRITICAL), log_stats=False).attach(trainer)
     trainer.train()
     return {"params": _flat(model), "lrs": lrs, "signals": signals, "stats": edgc.state.stats()}
 
@@ -269,7 +268,7 @@ def accelerate_run(rank: int, world: int, out: str) -> dict[str, Any]:
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
         model, opt = accelerator.prepare(model, opt)
-        state = register_edgc(accelerator, model, EDGCConfig(**CONFIG))
+        state = register_edgc(accelerator, model, EDGCConfig.from_dict(CONFIG))
         if load:
             accelerator.load_state(str(Path(out) / "step-3"))
         logged = []
@@ -307,7 +306,7 @@ def accelerate_lr_drop_run(rank: int, world: int, out: str) -> dict[str, Any]:
     # the world's batch, so the milestone counts world steps per step)
     drop = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[(DROP_AT - 1) * world], gamma=0.1)
     model, opt, drop = accelerator.prepare(model, opt, drop)
-    state = register_edgc(accelerator, model, EDGCConfig(**CRITICAL), optimizer=opt)
+    state = register_edgc(accelerator, model, EDGCConfig.from_dict(CRITICAL), optimizer=opt)
     data = _data(4 * world * DROP_STEPS)
     lrs, signals = [], []
     for step in range(DROP_STEPS):

@@ -97,7 +97,7 @@ def _straight_and_resumed(data_dir, tmp_path, common, stop, steps):
 def test_metrics_show_what_each_step_did(tmp_path, data_dir):
     out = tmp_path / "run"
     assert main(_train(data_dir, out, "--method", "edgc", "--steps", "6", "--edgc-warmup-steps", "2",
-                       "--edgc-warmup-max-error", "null", "--edgc-window", "2")) == 0
+                       "--edgc-warmup", "fixed", "--edgc-window", "2")) == 0
     train = _train_records(out)
     # steps 1-2 are the (fixed) warm-up: sent whole (plus the small control vector), at rank 0
     for r in train[:2]:

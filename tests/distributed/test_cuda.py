@@ -24,7 +24,7 @@ pytestmark = [
 @pytest.mark.parametrize("mode", ["pipelined", "whole-step"])
 def test_hook_on_cuda_bf16_replicas_identical_and_timed(mode):
     cfg = dict(policy="cqm", max_rank=4, min_rank=2, rank_step=2, window=3, warmup_steps=2,
-               iteration_sample_rate=1.0, warmup_error_check=False, min_compression_rate=1.0, sync_mode=mode)
+               iteration_sample_rate=1.0, min_compression_rate=1.0, sync_mode=mode)
     results = run_workers(workers.train_mixed_dtypes_cuda, 2, cfg, 12, timeout=300)
     a, b = results
     assert torch.equal(a["params"], b["params"])

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 # warm-up of 3 steps, windows of 2: the rank moves within a short run
 BASE = dict(max_rank=4, min_rank=2, rank_step=2, window=2, warmup_steps=3, iteration_sample_rate=1.0,
-            warmup_error_check=False, warmup_max_error=None, min_compression_rate=1.0, noise_exponent=2.0)
+            warmup="fixed", min_compression_rate=1.0, noise={"exponent": 2.0})
 
 
 def _check_compressed_run(out, steps, warmup=3):

@@ -13,7 +13,7 @@ from harness import assert_same, run_workers
 # warm-up of 4 steps.
 DYNAMIC = dict(
     policy="cqm", max_rank=8, min_rank=2, rank_step=2, window=4, warmup_steps=4,
-    iteration_sample_rate=1.0, warmup_error_check=False, warmup_max_error=None, min_compression_rate=1.0,
+    iteration_sample_rate=1.0, warmup="fixed", min_compression_rate=1.0,
 )
 
 

@@ -13,8 +13,8 @@ from harness import assert_same, run_workers
 # r_max 8, r_min 2, windows of 4 steps after a warm-up of 4; gamma 2 so that the toy model's
 # noise scale moves the rank within a few windows
 NOISE = dict(policy="noise", max_rank=8, min_rank=2, rank_step=2, window=4, warmup_steps=4,
-             iteration_sample_rate=1.0, warmup_error_check=False, warmup_max_error=None, min_compression_rate=1.0,
-             noise_exponent=2.0)
+             iteration_sample_rate=1.0, warmup="fixed", min_compression_rate=1.0,
+             noise={"exponent": 2.0})
 
 
 def _expected_ranks(signals, world, window=4, start=4, r_max=8, r_min=2, step=2, gamma=2.0):

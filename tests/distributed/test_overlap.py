@@ -7,7 +7,7 @@ import workers
 from harness import run_workers
 from test_hook_ddp import DYNAMIC
 
-STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup_error_check=False, warmup_max_error=None,
+STATIC = dict(policy="static", max_rank=4, warmup_steps=2, warmup="fixed",
               min_compression_rate=1.0)
 
 

@@ -8,8 +8,7 @@ import torch
 import workers
 from harness import run_workers
 
-STATIC = dict(policy="static", max_rank=4, warmup_steps=2, window=4, warmup_error_check=False,
-              warmup_max_error=None, min_compression_rate=1.0)
+STATIC = dict(policy="static", max_rank=4, warmup_steps=2, window=4, warmup="fixed", min_compression_rate=1.0)
 
 
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])
@@ -36,7 +35,7 @@ def test_mixed_dtypes_compress_with_half_precision_on_the_wire(half):
 @pytest.mark.parametrize("policy", ["static", "cqm"])
 def test_loss_scale_changes_nothing_when_the_state_is_told(policy):
     cfg = dict(policy=policy, max_rank=4, min_rank=2, rank_step=2, window=3, warmup_steps=3,
-               iteration_sample_rate=1.0, warmup_error_check=False, min_compression_rate=1.0)
+               iteration_sample_rate=1.0, min_compression_rate=1.0)
     steps = 18
     plain = run_workers(workers.train_scaled, 2, cfg, [1.0] * steps, True, timeout=240)
     # powers of two, changing as a GradScaler's would (growth, then halving after overflow)

@@ -85,7 +85,7 @@ def _train(ddp, opt, state, rank: int, start: int, steps: int, lr_drop: int | di
 def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int, lr_drop: int | None = None) -> dict:
     """Train MixedNet; return flattened parameters, losses, ranks, stats and each step's
     "critical" signals (`lr_drop`: see _train)."""
-    config = EDGCConfig(**config_kwargs)
+    config = EDGCConfig.from_dict(config_kwargs)
     model, ddp, state, opt = _make(config)
     signals: list = []
     losses, ranks = _train(ddp, opt, state, rank, 0, steps, lr_drop, signals)
@@ -104,7 +104,7 @@ def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: boo
     `legacy`: the checkpoint's state is made to look like one written before the
     pipelined mode (no "units", no "sync_mode" in its config). `lr_drop`: see _train.
     Also each run's per-step "critical" signals."""
-    config = EDGCConfig(**config_kwargs)
+    config = EDGCConfig.from_dict(config_kwargs)
     model, ddp, state, opt = _make(config)
     straight_signals: list = []
     straight, _ = _train(ddp, opt, state, rank, 0, 2 * n, lr_drop, straight_signals)
@@ -145,9 +145,9 @@ def critical_signal_check(rank: int, world: int, config_kwargs: dict, steps: int
     embedding gradient gets an inf at element (0, 1), which the GDS sample (every 4th
     element) does not hold; the recomputation leaves out steps whose average is not finite."""
     from edgc.entropy import is_sampled_step, sample_stride
-    from edgc.policy.critical import noise_scale
+    from edgc.policy.noise import noise_scale
 
-    config = EDGCConfig(**config_kwargs)
+    config = EDGCConfig.from_dict(config_kwargs)
     torch.manual_seed(0)
     model = MixedNet().double()
     shadow = copy.deepcopy(model)
@@ -192,7 +192,7 @@ def critical_signal_check(rank: int, world: int, config_kwargs: dict, steps: int
 
 def nonfinite_check(rank: int, world: int, config_kwargs: dict, bad_step: int, steps: int) -> dict:
     """Inject inf into one replica's gradient at bad_step; EF and Q must stay finite."""
-    config = EDGCConfig(**config_kwargs)
+    config = EDGCConfig.from_dict(config_kwargs)
     model, ddp, state, opt = _make(config)
     finite_after_bad = None
     skipped = 0
@@ -219,7 +219,7 @@ def nonfinite_check(rank: int, world: int, config_kwargs: dict, bad_step: int, s
 
 def mismatch_check(rank: int, world: int) -> str:
     """Loading a state from another model must raise a clear error at the first step."""
-    config = EDGCConfig(policy="static", max_rank=4, warmup_steps=0, warmup_error_check=False)
+    config = EDGCConfig(policy="static", max_rank=4, warmup_steps=0)
     model, ddp, state, opt = _make(config)
     _train(ddp, opt, state, rank, 0, 2)
     saved = copy.deepcopy(state.state_dict())
@@ -332,7 +332,7 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
 def nonfinite_late_bucket_check(rank: int, world: int, config_kwargs: dict, bad_step: int, steps: int) -> dict:
     """The last replica's embedding gradient (DDP's last bucket, computed last) gets an inf
     at bad_step; the error feedback and Q must come out of that step as they went in."""
-    config = EDGCConfig(**config_kwargs)
+    config = EDGCConfig.from_dict(config_kwargs)
     model, ddp, state, opt = _make(config)
     out = {"skipped": 0}
     for step in range(steps):
@@ -378,7 +378,7 @@ def train_given_state(rank: int, world: int, state: EDGCState, steps: int) -> di
 def state_before_init(rank: int, world: int, config_kwargs: dict, store: str, steps: int) -> dict:
     """Build the state with no process group, then (re)initialise the group and train."""
     dist.destroy_process_group()
-    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    state = EDGCState(None, EDGCConfig.from_dict(config_kwargs))
     assert state.world_size == 1  # nothing to know yet
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     return train_given_state(rank, world, state, steps)
@@ -389,7 +389,7 @@ def pickle_own_group(rank: int, world: int, config_kwargs: dict) -> dict:
     import pickle
 
     group = dist.new_group(list(range(world)))
-    state = EDGCState(group, EDGCConfig(**config_kwargs))
+    state = EDGCState(group, EDGCConfig.from_dict(config_kwargs))
     copy_ = pickle.loads(pickle.dumps(state))
     out = {"group_after": copy_.process_group}
     torch.manual_seed(0)
@@ -411,7 +411,7 @@ def pickle_own_group(rank: int, world: int, config_kwargs: dict) -> dict:
 
 def replica_check(rank: int, world: int, config_kwargs: dict) -> dict:
     """state_dict records the replica; rank 0's state is refused on rank 1 unless asked."""
-    config = EDGCConfig(**config_kwargs)
+    config = EDGCConfig.from_dict(config_kwargs)
     model, ddp, state, opt = _make(config)
     _train(ddp, opt, state, rank, 0, 6)
     saved = state.state_dict()
@@ -453,7 +453,7 @@ def train_mixed_dtypes(rank: int, world: int, config_kwargs: dict, steps: int, h
     torch.manual_seed(0)
     model = MixedDtypeNet(getattr(torch, half))
     ddp = DDP(model, bucket_cap_mb=0.002)
-    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    state = EDGCState(None, EDGCConfig.from_dict(config_kwargs))
     ddp.register_comm_hook(state, edgc_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     sent = []
@@ -480,7 +480,7 @@ def train_scaled(rank: int, world: int, config_kwargs: dict, scales: list, tell:
     torch.manual_seed(0)
     model = MixedNet().double()
     ddp = DDP(model, bucket_cap_mb=0.02)
-    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    state = EDGCState(None, EDGCConfig.from_dict(config_kwargs))
     ddp.register_comm_hook(state, edgc_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
     entropies, ranks = [], []
@@ -507,7 +507,7 @@ def train_mixed_dtypes_cuda(rank: int, world: int, config_kwargs: dict, steps: i
     torch.manual_seed(0)
     model = MixedDtypeNet().to(device)
     ddp = DDP(model, device_ids=[device.index], bucket_cap_mb=0.002)
-    state = EDGCState(None, EDGCConfig(**config_kwargs))
+    state = EDGCState(None, EDGCConfig.from_dict(config_kwargs))
     ddp.register_comm_hook(state, edgc_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(steps):
@@ -619,7 +619,7 @@ def replicas_check(rank: int, world: int, out: str) -> dict:
     raise, none may wait)."""
     from edgc.checkpoint import gather_states, load_states, restore_state, save_states
 
-    config = EDGCConfig(warmup_steps=1, window=2, max_rank=4, min_rank=2, warmup_error_check=False)
+    config = EDGCConfig(warmup_steps=1, window=2, max_rank=4, min_rank=2)
     model, ddp, state, opt = _make(config)
     _train(ddp, opt, state, rank, 0, 3)
     on_one = gather_states(state, dst=1)

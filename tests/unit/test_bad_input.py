@@ -15,7 +15,7 @@ import torch
 
 from edgc import EDGCConfig, EDGCState
 from edgc.cli import _given_options, build_parser, main
-from edgc.config import field_types
+from edgc.fields import field_types
 from edgc.policy.dac import DACConfig
 from edgc.train.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from edgc.train.config import TrainConfig, load_config_file

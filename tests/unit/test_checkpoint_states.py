@@ -8,8 +8,7 @@ from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.checkpoint import FILE_NAME, gather_states, load_states, read_states, restore_state, save_states
 from edgc.comm.buckets import sync_with_hook
 
-CONFIG = EDGCConfig(warmup_steps=1, window=2, max_rank=2, min_rank=1, iteration_sample_rate=1.0,
-                    warmup_error_check=False)
+CONFIG = EDGCConfig(warmup_steps=1, window=2, max_rank=2, min_rank=1, iteration_sample_rate=1.0)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

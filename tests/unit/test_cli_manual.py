@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from edgc import EDGCConfig, EDGCState, edgc_hook, log_stats
 from edgc.cli import _as_typed, _shown, main
 from edgc.comm.baselines import AllReduceState, allreduce_hook
-from edgc.config import field_types
+from edgc.fields import field_types
 from edgc.train.config import TrainConfig
 from edgc.train.metrics import record_scalars
 from edgc.train.summary import RunSummary, show_table, table
@@ -218,7 +218,7 @@ def _train_steps(state, hook, steps: int, every: int, log) -> list[bool]:
 
 
 def test_log_stats_reports_every_n_steps(one_process_group):
-    state = EDGCState(None, EDGCConfig(max_rank=2, warmup_steps=2, warmup_max_error=None, window=2,
+    state = EDGCState(None, EDGCConfig(max_rank=2, warmup_steps=2, warmup="fixed", window=2,
                                        iteration_sample_rate=1.0))
     got = []
     logged = _train_steps(state, edgc_hook, 6, 2, lambda scalars, step: got.append((step, scalars)))

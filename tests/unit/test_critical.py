@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.hook import EDGCStats
-from edgc.policy.critical import CriticalRule, critical_rank, low_rank, lr_dropped, noise_scale
+from edgc.policy.critical import CriticalRule, critical_rank, low_rank, lr_dropped
+from edgc.policy.noise import noise_scale
 from edgc.train.common import lr_at
 from edgc.train.config import TrainConfig
 from harness import assert_same  # (tests/distributed/, put on the path by tests/conftest.py)
@@ -139,28 +140,28 @@ def test_stats_scalars_leave_out_what_was_not_measured():
 
 
 @pytest.mark.parametrize("values, field", [
-    (dict(critical_threshold=0.0), "critical_threshold"),
-    (dict(critical_threshold=-0.5), "critical_threshold"),
-    (dict(critical_threshold=NAN), "critical_threshold"),
-    (dict(critical_low_rank=0), "critical_low_rank"),
-    (dict(critical_low_rank=2**16 + 1), "critical_low_rank"),
-    (dict(max_rank=16, critical_low_rank=32), "critical_low_rank"),
-    (dict(max_rank=32, critical_low_rank=4), "critical_low_rank"),  # below max_rank // 4
-    (dict(max_rank=32, min_rank=12, critical_low_rank=10), "critical_low_rank"),
-    (dict(critical_low_rank=8.0), "critical_low_rank"),
-    (dict(lr_drop_factor=0.0), "lr_drop_factor"),
-    (dict(lr_drop_factor=1.0), "lr_drop_factor"),
-    (dict(lr_drop_factor=INF), "lr_drop_factor"),
+    (dict(critical_threshold=0.0), "critical.threshold"),
+    (dict(critical_threshold=-0.5), "critical.threshold"),
+    (dict(critical_threshold=NAN), "critical.threshold"),
+    (dict(critical_low_rank=0), "critical.low_rank"),
+    (dict(critical_low_rank=2**16 + 1), "critical.low_rank"),
+    (dict(max_rank=16, critical_low_rank=32), "critical.low_rank"),
+    (dict(max_rank=32, critical_low_rank=4), "critical.low_rank"),  # below max_rank // 4
+    (dict(max_rank=32, min_rank=12, critical_low_rank=10), "critical.low_rank"),
+    (dict(critical_low_rank=8.0), "critical.low_rank"),
+    (dict(critical_lr_drop_factor=0.0), "critical.lr_drop_factor"),
+    (dict(critical_lr_drop_factor=1.0), "critical.lr_drop_factor"),
+    (dict(critical_lr_drop_factor=INF), "critical.lr_drop_factor"),
 ])
 def test_critical_config_errors_name_the_field(values, field):
     with pytest.raises(ValueError, match=f"EDGCConfig.{field}="):
-        EDGCConfig(**values)
+        EDGCConfig.from_dict(values)
 
 
 def test_critical_config_defaults():
     cfg = EDGCConfig(policy="critical", max_rank=32)
-    assert (cfg.critical_threshold, cfg.critical_low_rank, cfg.lr_drop_factor) == (0.5, None, 0.5)
-    assert EDGCConfig(policy="critical", max_rank=32, critical_low_rank=8).critical_low_rank == 8  # = max_rank // 4
+    assert (cfg.critical.threshold, cfg.critical.low_rank, cfg.critical.lr_drop_factor) == (0.5, None, 0.5)
+    assert EDGCConfig(policy="critical", max_rank=32, critical={"low_rank": 8}).critical.low_rank == 8  # = max_rank // 4
     assert EDGCConfig(policy="critical").max_rank is None  # r_max may be calibrated
 
 

@@ -152,7 +152,7 @@ def test_stage_sent_uncompressed_by_dac_sends_its_residual_first():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(16, 12, dtype=torch.float64)),
               torch.nn.Parameter(torch.zeros(12, dtype=torch.float64))]
-    cfg = EDGCConfig(policy="static", max_rank=2, min_rank=2, warmup_steps=1, warmup_max_error=None, window=2,
+    cfg = EDGCConfig(policy="static", max_rank=2, min_rank=2, warmup_steps=1, warmup="fixed", window=2,
                      iteration_sample_rate=1.0)
     state = EDGCState(None, cfg, alignment=StageAlignment(0, 2, None, DACConfig(eta=1.0, t_uncompressed=0.5)))
 

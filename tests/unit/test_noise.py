@@ -48,7 +48,7 @@ def test_the_rule_after_bounds_rounding_and_rate_limit():
 
 
 def test_warmup_ends_at_the_first_check_with_a_small_enough_error():
-    gate = WarmupGate(warmup_steps=20, window=8, error_check=False, max_error=0.1, check_every=3)
+    gate = WarmupGate("gradient", warmup_steps=20, window=8, max_error=0.1, check_every=3)
     assert [gate.needs_errors(s) for s in range(1, 7)] == [False, False, True, False, False, True]
     assert not gate.update(1) and not gate.update(2)
     assert not gate.update(3, eps_rmin=0.5, eps_rmax=0.2)  # too large an error at r_max
@@ -59,10 +59,10 @@ def test_warmup_ends_at_the_first_check_with_a_small_enough_error():
 
 
 def test_warmup_max_error_is_capped_by_warmup_steps():
-    gate = WarmupGate(warmup_steps=7, window=8, error_check=False, max_error=1e-9, check_every=3)
+    gate = WarmupGate("gradient", warmup_steps=7, window=8, max_error=1e-9, check_every=3)
     assert not gate.update(3, eps_rmax=0.5) and not gate.update(6, eps_rmax=0.5)
     assert gate.update(7) and not gate.needs_errors(9)
-    assert not WarmupGate(warmup_steps=6, window=8, error_check=False, max_error=0.1, check_every=3).needs_errors(6)
+    assert not WarmupGate("gradient", warmup_steps=6, window=8, max_error=0.1, check_every=3).needs_errors(6)
     # the state holds only whether the gate is open
     assert gate.state_dict() == {"eps_max": None, "open": True}
 
@@ -97,7 +97,7 @@ def test_the_default_is_noise_with_the_warmup_the_gradient_ends():
     for values in (dict(warmup_error_check=True), dict(warmup_error_norm="l1")):
         with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: .*set it to None"):
             EDGCConfig(**values)
-        assert EDGCConfig(**values, warmup_max_error=None).warmup_max_error is None
+        assert EDGCConfig(**values, warmup="fixed").warmup_max_error is None
 
 
 def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warmup(tmp_path):
@@ -125,9 +125,9 @@ def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tm
         TrainConfig(pp=2, nproc=2, edgc={"warmup_max_error": 0.1}).validate()
     with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: a pipeline's stages"):
         EDGCState(None, EDGCConfig(max_rank=4), alignment=StageAlignment(0, 2, None))
-    EDGCState(None, EDGCConfig(max_rank=4, warmup_max_error=None), alignment=StageAlignment(0, 2, None))
+    EDGCState(None, EDGCConfig(max_rank=4, warmup="fixed"), alignment=StageAlignment(0, 2, None))
     with pytest.raises(ValueError, match="policy='budget': does not take the DAC's stage alignment"):
         TrainConfig(pp=2, nproc=2, edgc={"policy": "budget"}).validate()
     with pytest.raises(ValueError, match="policy='budget': does not take the DAC's stage alignment"):
-        EDGCState(None, EDGCConfig(max_rank=4, policy="budget", warmup_max_error=None),
+        EDGCState(None, EDGCConfig(max_rank=4, policy="budget", warmup="fixed"),
                   alignment=StageAlignment(0, 2, None))

@@ -4,23 +4,58 @@ import math
 
 import pytest
 
+from edgc.config import EDGCConfig
 from edgc.policy import (
+    EntropyWindow,
     ErrorModel,
-    RankController,
     WarmupGate,
+    WindowEnd,
     calibrated_max_rank,
     limit_rank,
     linear_rank,
+    make_policy,
     probe_ranks,
 )
 
 SHAPES = [(256, 1024)] * 4 + [(1024, 256)] * 4
 
 
+class Driver:
+    """A policy fed the entropy window by window, as the synchroniser feeds it."""
+
+    def __init__(self, policy, r_min=8, r_max=32, step=4, smoothing=0.0, started=True):
+        config = EDGCConfig(policy=policy, max_rank=r_max, min_rank=r_min, rank_step=step, cqm={"smoothing": smoothing})
+        self.policy, self.window, self.r_min, self.r_max = make_policy(config), EntropyWindow(), r_min, r_max
+        if started:
+            self.start()
+
+    def start(self, mid_window=False):
+        self.policy.start(self.r_min, self.r_max, step=0, windows_closed=len(self.window.history),
+                          mid_window=mid_window)
+        self.policy.bind_shapes(SHAPES)
+
+    def observe(self, h):
+        self.window.observe(h)
+
+    def close_window(self):
+        return self.window.close()
+
+    def decide(self):
+        end = WindowEnd(step=0, compressing=True, rank=self.policy.rank, r_min=self.r_min, r_max=self.r_max,
+                        replicas=1, history=tuple(self.window.history))
+        return self.policy.decide(end)
+
+    @property
+    def rank(self):
+        return self.policy.rank
+
+    @property
+    def history(self):
+        return self.window.history
+
+
 def _controller(policy, r_min=8, r_max=32, step=4):
-    c = RankController(policy, rank_step=step, rank_multiple=2)
-    c.start(r_min, r_max, ErrorModel(SHAPES) if policy == "cqm" else None)
-    return c
+    return Driver(policy, r_min, r_max, step)
 
 
 def _feed(c, *means):
@@ -90,22 +125,28 @@ def test_limit_rank_rounds_to_multiple_inside_bounds():
     assert limit_rank(float("nan"), 20, r_min=4, r_max=32, step=6, multiple=2) == 20
 
 
-def test_controller_state_round_trip():
-    c = _controller("linear")
+@pytest.mark.parametrize("policy", ["linear", "cqm"])
+def test_policy_and_entropy_window_state_round_trip(policy):
+    c = _controller(policy, step=32)
     _feed(c, 1.0, 2.0)
+    c.decide()
     c.observe(7.0)
-    d = _controller("linear")
-    d.load_state_dict(c.state_dict())
-    assert d.state_dict() == c.state_dict()
+    d = _controller(policy)
+    d.policy.load_state_dict(c.policy.state_dict())
+    d.window.load_state_dict(c.window.state_dict())
+    assert d.policy.state_dict() == c.policy.state_dict() and d.window.state_dict() == c.window.state_dict()
+    _feed(c, 1.5)
+    _feed(d, 1.5)
+    assert d.decide() == c.decide()
 
 
 def test_warmup_floor_without_error_check():
-    gate = WarmupGate(warmup_steps=10, window=4, error_check=False)
+    gate = WarmupGate("fixed", warmup_steps=10, window=4)
     assert [gate.update(s) for s in range(1, 12)] == [False] * 9 + [True, True]
 
 
 def test_warmup_error_check_triggers_as_specified():
-    gate = WarmupGate(warmup_steps=10, window=4, error_check=True)
+    gate = WarmupGate("release-check", warmup_steps=10, window=4)
     assert not gate.needs_errors(3) and gate.needs_errors(4)
     assert not gate.update(4, eps_rmin=0.9, eps_rmax=0.5)  # records eps_max = 0.5
     assert gate.eps_max == 0.5
@@ -134,10 +175,10 @@ def test_probe_ranks_double_up_to_cap():
 
 
 def test_cqm_ignores_windows_closed_during_warmup():
-    c = RankController("cqm", rank_step=4, rank_multiple=2)
+    c = Driver("cqm", step=4, started=False)
     c.observe(-4.0)
     c.close_window()  # a warm-up window with much higher entropy
-    c.start(8, 32, ErrorModel(SHAPES))
+    c.start()
     _feed(c, -6.0)
     assert c.decide() == 32  # one comparable window only: no move yet
     _feed(c, -6.0)
@@ -155,18 +196,18 @@ def test_cqm_keeps_a_continuous_rank_so_slow_drifts_add_up():
         _feed(c, h)
         c.decide()
     assert c.rank < 32, "a drift made of sub-rounding moves must add up"
-    assert c.rank_value < 31.0
+    assert c.policy.rank_value < 31.0
     # what a rank rounded every window would do: stay at 32
     from edgc.policy.cqm import cqm_rank
     assert round(cqm_rank(-5.0, -5.002, 32.0, model) / 2) * 2 == 32
 
 
 def test_first_compared_window_holds_no_warmup_step():
-    c = RankController("cqm", rank_step=32, rank_multiple=2)
+    c = Driver("cqm", step=32, started=False)
     c.observe(-4.0)
     c.close_window()  # a warm-up window
     c.observe(-4.0)  # warm-up samples in the window still open when compression starts
-    c.start(8, 32, ErrorModel(SHAPES), mid_window=True)
+    c.start(mid_window=True)
     c.observe(-6.0)
     c.close_window()  # mixed window: not compared
     _feed(c, -6.0)
@@ -176,10 +217,9 @@ def test_first_compared_window_holds_no_warmup_step():
 
 
 def test_smoothing_damps_a_one_window_blip():
-    raw, smooth = _controller("cqm", step=32), RankController("cqm", rank_step=32, rank_multiple=2, smoothing=0.8)
-    smooth.start(8, 32, ErrorModel(SHAPES))
+    raw, smooth = _controller("cqm", step=32), Driver("cqm", step=32, smoothing=0.8)
     for c in (raw, smooth):
         _feed(c, -5.0, -5.0, -5.3)  # a noisy window
         c.decide()
     assert raw.rank < smooth.rank <= 32
-    assert smooth.compared()[-1] == pytest.approx(0.8 * -5.0 + 0.2 * -5.3)
+    assert smooth.policy.compared(smooth.history)[-1] == pytest.approx(0.8 * -5.0 + 0.2 * -5.3)

@@ -118,7 +118,7 @@ def test_lowrank_round_hand_computed_on_v100():
 
 
 def test_working_dtype_is_the_hooks():
-    from edgc.comm.stepsync import working_dtype
+    from edgc.comm.units import working_dtype
 
     for grad in (torch.float16, torch.bfloat16, torch.float32):
         model = RooflineModel(gpu=GPUS["H100-SXM5"], element_bytes=grad.itemsize)

@@ -42,7 +42,7 @@ import torch
 
 from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.bench.train import time_to_target, train_on_cluster
-from edgc.config import POLICIES
+from edgc.policy.registry import policy_names
 from edgc.models import PRESETS
 from edgc.train.config import TrainConfig
 from edgc.train.summary import load_run
@@ -91,11 +91,11 @@ def sweep(r_max: int, policies: list[str]) -> list[tuple[str, str, int | None, l
     runs.append((f"torch-powersgd-r{r_max}", "torch", r_max, ["--method", "torch-powersgd", "--rank", str(r_max)]))
     for spec in policies:
         policy, _, schedule = spec.partition("=")
-        if policy not in POLICIES or policy == "static":
-            raise ValueError(f"unknown dynamic policy {policy!r}; choose from {[p for p in POLICIES if p != 'static']}")
+        if policy not in policy_names() or policy == "static":
+            raise ValueError(f"unknown dynamic policy {policy!r}; choose from {[p for p in policy_names() if p != 'static']}")
         if (policy == "schedule") != bool(schedule):
             raise ValueError(f'{spec!r}: give a schedule as schedule=STEP:RANK,... and only for "schedule"')
-        extra = ["--edgc-rank-schedule", schedule] if schedule else []
+        extra = ["--edgc-schedule-ranks", schedule] if schedule else []
         runs.append((f"edgc-{policy}", "dynamic", r_max,
                      ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy, *extra]))
     return runs

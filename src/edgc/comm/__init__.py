@@ -1,6 +1,6 @@
-"""Where collectives happen: the DDP communication hook and its state."""
+"""Where collectives happen: the compression core and its adapters (the DDP hook here)."""
 
-from edgc.comm.hook import EDGCState, EDGCStats, edgc_hook
-from edgc.comm.stats import log_stats
+from edgc.comm.hook import EDGCState, edgc_hook
+from edgc.comm.stats import EDGCStats, log_stats
 
 __all__ = ["EDGCState", "EDGCStats", "edgc_hook", "log_stats"]

@@ -8,9 +8,10 @@ Usage (the calling convention of torch's powerSGD_hook):
 DDP hands the hook one bucket at a time. The adapter turns a bucket into what the core
 takes (its flat buffer, each parameter's id and shape, a future, whether it is the last)
 and returns the future; everything else, from error feedback to the collectives' order,
-is GradientSync's. Parameters are numbered ("slots") in the order of their first
-appearance in the first synchronised step: a fresh DDP always builds the same first-step
-buckets for the same model, so slots are stable across a checkpoint and resume.
+is the core's (`state.sync`, a GradientSync). Parameters are numbered ("slots") in the
+order of their first appearance in the first synchronised step: a fresh DDP always
+builds the same first-step buckets for the same model, so slots are stable across a
+checkpoint and resume.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -20,31 +21,115 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.comm.sync import EDGCStats, GradientSync
+from edgc.comm.stats import EDGCStats
+from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
 
 __all__ = ["EDGCState", "EDGCStats", "edgc_hook"]
 
 
-class EDGCState(GradientSync):
-    """All mutable state of the EDGC hook for one DDP model (see GradientSync for the
-    stats, state_dict and the knobs: set_grad_scale, set_learning_rate)."""
+class EDGCState:
+    """The state of the EDGC hook for one DDP model: the compression core (`sync`) it
+    wraps, and what a user calls on it (stats, state_dict, the knobs set_grad_scale and
+    set_learning_rate).
+
+    It may be built before `init_process_group` and pickled into worker processes (as
+    Lightning and mp.spawn do): it binds its group when the hook first runs. Pickling
+    keeps the config, the alignment and the state_dict; a state built on a group of its
+    own comes back without it (`state.process_group = group` before training).
+    """
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, config: EDGCConfig | None = None, *, alignment: Any = None
     ) -> None:
-        super().__init__(process_group, config, alignment=alignment)
+        self.sync = GradientSync(process_group, config, alignment=alignment)
 
-    def _receive(self, buffer: torch.Tensor, params: list[torch.Tensor], future: torch.futures.Future,
-                 last: bool) -> None:
-        """One DDP bucket: its parameters named by id, handed to the core."""
-        self.receive(buffer, [(id(p), tuple(p.shape)) for p in params], future, last)
+    # ------------------------------------------------------------------ what a user reads and sets
+
+    @property
+    def config(self) -> EDGCConfig:
+        return self.sync.config
+
+    @property
+    def alignment(self) -> Any:
+        """A pipeline stage's DAC (edgc.comm.pipeline.StageAlignment), or None."""
+        return self.sync.alignment
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are averaged over (None: the default group); settable until
+        the first step."""
+        return self.sync.process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self.sync.process_group = group
+
+    @property
+    def world_size(self) -> int:
+        return self.sync.world_size
+
+    @property
+    def step(self) -> int:
+        return self.sync.step
+
+    @property
+    def phase(self) -> str:
+        return self.sync.phase
+
+    @property
+    def rank(self) -> int:
+        """The rank used for compressed steps now (0 while uncompressed)."""
+        return self.sync.rank
+
+    def stats(self) -> EDGCStats:
+        """A snapshot of this replica's counters."""
+        return self.sync.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's compression state (error feedback, Q, generator, policy; CPU tensors)."""
+        return self.sync.state_dict()
+
+    def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True) -> None:
+        """Resume from state_dict(), before the first step; a mismatched model, world size or
+        replica raises ValueError (GradientSync.load_state_dict)."""
+        self.sync.load_state_dict(d, strict_replica=strict_replica)
+
+    def set_grad_scale(self, scale: float) -> None:
+        """The loss scale the next gradients carry (GradScaler.get_scale())."""
+        self.sync.set_grad_scale(scale)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next step (read by policies that ask for it)."""
+        self.sync.set_learning_rate(lr)
+
+    def align(self) -> None:
+        """In a pipeline: finish a window-end decision with the DAC exchange (called by the stage)."""
+        self.sync.align()
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Config, alignment and state_dict() only: process groups and CUDA events cannot
+        travel between processes."""
+        sync = self.sync
+        saved = sync._loaded if sync.collectives.bound is None else sync.state_dict()
+        return {"config": sync.config, "alignment": sync.alignment, "state": saved,
+                "group_dropped": sync.collectives.group_dropped or sync.process_group is not None,
+                "grad_scale": float(sync.grad_scale)}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.sync = GradientSync(None, d["config"], alignment=d["alignment"])
+        self.sync.collectives.group_dropped = d["group_dropped"]
+        self.sync.grad_scale = d["grad_scale"]
+        if d["state"] is not None:
+            self.sync.load_state_dict(d["state"])
 
 
 def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: entropy-driven low-rank compression of the gradient.
 
-    Algorithm, per step (GradientSync._begin_step, edgc.comm.stepsync and
+    Algorithm, per step (GradientSync._begin_step, edgc.comm.step and
     GradientSync._end_step mark the same steps):
       1. Take the bucket. Pipelined: start the units whose gradients have all arrived,
          finish the P of the units started one call before and complete those whose Q
@@ -56,7 +141,8 @@ def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future
          Afterwards: PowerSGD with error feedback and warm-started Q at the current rank;
          1-D and small tensors are all-reduced uncompressed.
       4. At the last bucket, drain every unit; keep the new error feedback and Q if the
-         step was finite everywhere; at each window end, move the rank within [r_min, r_max].
+         step was finite everywhere; at each window end, the policy moves the rank
+         within [r_min, r_max].
       5. Each bucket's future completes with its (now averaged) buffer.
 
     Side effect: the bucket buffers hold the averaged gradient; the compression error is
@@ -65,5 +151,6 @@ def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future
     reaches the EF or Q buffers.
     """
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state._receive(bucket.buffer(), bucket.parameters(), future, bucket.is_last())
+    params = bucket.parameters()
+    state.sync.receive(bucket.buffer(), [(id(p), tuple(p.shape)) for p in params], future, bucket.is_last())
     return future

@@ -9,7 +9,7 @@ one after another, and there is no slack for DAC to align. `EDGCPipelineStage` r
 backward under `no_sync` and calls the same communication hook from the schedule's
 REDUCE_GRAD action, after the schedule has waited for its sends: stage p's sync then
 overlaps the last backward passes of stages p-1 ... 0, which is the setting in which
-EDGC_SPEC.md's DAC is derived. `sync_after_send=False` keeps torch's placement (to
+the paper's DAC is derived. `sync_after_send=False` keeps torch's placement (to
 measure the difference).
 
 `StageAlignment` is the DAC at run time: it measures this stage's sync times and backward
@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.comm.buckets import sync_with_hook
+from edgc.comm.collectives import Collectives
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.policy.dac import DACConfig, TimeModel, rank_for_budget, stage_rank
 
@@ -156,7 +157,7 @@ def _reducer_must_not_sync(state, bucket):  # (unannotated: DDP checks annotatio
 
 
 class StageAlignment:
-    """The DAC decision of one replica of pipeline stage `stage` (EDGC_SPEC.md, "DAC").
+    """The DAC decision of one replica of pipeline stage `stage` (docs/pipelines.md).
 
     `EDGCState.align` calls `decide` after a window end with the entropy-driven rank.
     Collectives, issued in this order by every rank of the job at the same step:
@@ -240,35 +241,37 @@ class StageAlignment:
 
     # ---------------------------------------------------------------- the decision
 
-    def _current_time(self, model: TimeModel | None, state: Any) -> float:
-        """Predicted seconds of this stage's sync at its present rank (or uncompressed)."""
-        if state.stage_uncompressed or model is None:
+    def _current_time(self, model: TimeModel | None, current: int | None) -> float:
+        """Predicted seconds of this stage's sync at its present rank `current` (None:
+        uncompressed)."""
+        if current is None or model is None:
             return self.t_uncompressed()
-        return model(state.applied_rank)
+        return model(current)
 
-    def decide(self, state: Any, r_entropy: int, step: int) -> int | None:
+    def decide(self, collectives: Collectives, r_entropy: int, step: int, *, current: int | None, r_min: int,
+               r_max: int) -> int | None:
         """This stage's rank for the next window (None: uncompressed), agreed over its DP
-        group. `state` is the stage's EDGCState (its DP group, ranks, device)."""
+        group (`collectives`, the stage synchroniser's); `current` is the rank in use (None:
+        uncompressed), [r_min, r_max] the stage's bounds."""
         if self._pp_group_dropped and self.pp_group is None:
             raise RuntimeError("this StageAlignment was pickled without its pipeline group; "
                                "set alignment.pp_group = <the pipeline group> before training")
         cfg, p, n = self.config, self.stage, self.num_stages
         model = self.time_model()
-        r_max = int(state.r_max)
         t_unc = self.t_uncompressed()
         msg = torch.zeros(5 + n, dtype=torch.float64)
         if p == 0:
             t0_new = model(r_entropy) if model is not None else 0.0
             msg[0] = t0_new
             msg[1] = r_entropy
-            now = self._current_time(model, state)
+            now = self._current_time(model, current)
             msg[4] = t0_new - now if math.isfinite(now) else 0.0
         msg[2] = self.t_mb()
         msg[3] = 1.0
         msg[5 + p] = sum(self.waits) / len(self.waits) if self.waits else 0.0
         # collective: all-reduce SUM of 5 + stages float64 over the pipeline group
         # (stage 0's T₀, r₀ and change of T₀; every stage's t_mb and mean wait)
-        _all_reduce_cpu(msg, dist.ReduceOp.SUM, self.pp_group, state.device)
+        _all_reduce_cpu(msg, dist.ReduceOp.SUM, self.pp_group, collectives.device)
         t0, r0, t_mb, dt0 = float(msg[0]), int(round(float(msg[1]))), float(msg[2] / msg[3]), float(msg[4])
         waits = [float(w) for w in msg[5:]]
         budget = None
@@ -280,20 +283,20 @@ class StageAlignment:
             # (uncompressed only where the budget covers the uncompressed time: with a
             # measured budget below it, sending uncompressed would overshoot, so a rank
             # above r_max runs r_max)
-            budget = self._current_time(model, state) + (waits[p] - waits[0]) + dt0
-            local = rank_for_budget(model, budget, int(state.r_min), r_max, t_unc, cfg.multiple, cap_at_r_max=True)
+            budget = self._current_time(model, current) + (waits[p] - waits[0]) + dt0
+            local = rank_for_budget(model, budget, r_min, r_max, t_unc, cfg.multiple, cap_at_r_max=True)
         else:
             local = stage_rank(p, model, r0, t0, t_mb, r_max, t_unc, multiple=cfg.multiple,
                                cap_at_r_max=cfg.cap_at_r_max)
         agreed_t = torch.tensor([float(local if local is not None else r_max + 1)], dtype=torch.float64)
         # collective: all-reduce MAX of 1 float64 over the DP group (replicas take the maximum)
-        state._all_reduce(agreed_t, op=dist.ReduceOp.MAX, device_copy=state.device)
+        collectives.all_reduce(agreed_t, op=dist.ReduceOp.MAX, device_copy=collectives.device)
         agreed_v = int(agreed_t[0])
         agreed = None if agreed_v > r_max else agreed_v
         self.decisions.append({
             "step": step, "stage": p, "r_entropy": int(r_entropy), "r0": r0, "t0": t0, "t_mb": t_mb,
             "t_uncompressed": t_unc if math.isfinite(t_unc) else None,
-            "model": model.to_dict() if model is not None else None, "r_max": r_max, "r_min": int(state.r_min),
+            "model": model.to_dict() if model is not None else None, "r_max": r_max, "r_min": r_min,
             "slack": cfg.slack, "waits": waits, "dt0": dt0, "budget": budget,
             "local": local, "rank": agreed, "stage_ranks": cfg.stage_ranks,
         })

@@ -15,7 +15,7 @@ it agrees across replicas with no collective of its own:
 - For the noise scale (edgc.policy.critical.noise_scale), on sampled steps: |G_big|^2, the
   squared norm of the averaged gradient's sample, beside |G_small|^2, the replicas' mean
   squared norm of their own gradient's sample, which travels in the step's control
-  all-reduce (edgc.comm.stepsync, GRAD_SQ). Both are summed over the window and divided at
+  all-reduce (edgc.comm.step, GRAD_SQ). Both are summed over the window and divided at
   its end, as McCandlish et al. advise. On the same sampled elements, the sampling factor
   cancels in the ratio. On a compressed step the average is the low-rank reconstruction,
   not the true mean gradient: |G_big|^2 then lacks what the rank left out, and the noise

@@ -1,6 +1,6 @@
 """Compression Quantification Model (CQM): the paper's entropy-to-rank rule.
 
-EDGC_SPEC.md, "Component 2". By Eckart–Young–Mirsky the best rank-r approximation A_r of
+The paper's second component. By Eckart–Young–Mirsky the best rank-r approximation A_r of
 an m×n matrix A has ‖A − A_r‖²_F = Σ_{i>r} λ_i, λ the eigenvalues of AAᵀ in decreasing
 order. For a matrix with iid N(0, σ²) entries the paper writes the expected relative error
 as ε = g(r; m, n), which does not depend on σ, and estimates it with the Marchenko–Pastur
@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["METHODS", "ErrorModel", "cqm_rank", "error_curve", "relative_error"]
+from edgc.policy.base import RankPolicy, Signals, WindowEnd
+from edgc.policy.window import limit_rank
+
+__all__ = ["METHODS", "CQMConfig", "CQMPolicy", "ErrorModel", "cqm_rank", "error_curve", "relative_error"]
 
 #: Names accepted for `method`.
 METHODS = ("mp", "montecarlo")
@@ -244,3 +249,88 @@ def cqm_rank(h_prev: float, h_cur: float, r_prev: float, model: ErrorModel) -> f
     g_prev = model.g(r_prev)
     eps = g_prev * factor if g_prev > 0.0 else 0.0  # avoid 0·inf = nan
     return model.g_inv(eps)
+
+
+@dataclass(kw_only=True)
+class CQMConfig:
+    """The "cqm" policy's parameters (EDGCConfig.cqm)."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"method": METHODS}
+
+    method: str = "mp"
+    """How g(r; m, n) is computed: "mp" (the Marchenko-Pastur law) or "montecarlo" (exact
+    SVDs of sampled Gaussian matrices)."""
+
+    smoothing: float = 0.0
+    """In [0, 1): the rule compares exponential moving averages of the window mean
+    entropies, each window weighing 1 - smoothing (0: the raw means, as the paper). A
+    window mean of few samples is noisy next to the entropy change the whole rank range
+    spans; smoothing keeps the rule from following that noise."""
+
+    def check(self, bad: Callable[[str, str], None]) -> None:
+        """Call `bad(field, why)` for the first field out of its range."""
+        if not 0.0 <= self.smoothing < 1.0:
+            bad("smoothing", "must be in [0, 1)")
+
+
+class CQMPolicy(RankPolicy):
+    """The paper's rule: r1 = g^-1(e^(H0 - H1) g(r0)) from the last two compared window
+    means (`cqm_rank`), moved by at most `rank_step` per window.
+
+    The rank is kept as a continuous value between windows (`rank_value`), so that a slow
+    drift of entropy, each window's move smaller than one rounding step, still adds up;
+    the rank in use is that value rounded to `rank_multiple`. The CQM assumes roughly
+    normal gradients, so windows that hold warm-up steps (the skewed, unstable phase the
+    warm-up exists to skip) are not compared: only windows from `first_window` on."""
+
+    signals = Signals(entropy=True)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.method: str = config.cqm.method
+        self.smoothing: float = config.cqm.smoothing
+        self.rank_value = 0.0  # the continuous rank behind `rank`
+        self.first_window = 0  # the first window compared (index into the history)
+        self.error_model: ErrorModel | None = None
+
+    def start(self, r_min: int, r_max: int, *, step: int, windows_closed: int, mid_window: bool) -> int:
+        self.rank_value = float(r_max)
+        self.first_window = windows_closed + (1 if mid_window else 0)
+        return super().start(r_min, r_max, step=step, windows_closed=windows_closed, mid_window=mid_window)
+
+    def bind_shapes(self, shapes: Sequence[tuple[int, int]]) -> None:
+        self.error_model = ErrorModel(shapes, method=self.method)
+
+    def compared(self, history: Sequence[float]) -> list[float]:
+        """The window means the rule compares: the finite ones from `first_window` on,
+        exponentially smoothed when `smoothing` > 0."""
+        finite = [h for h in history[self.first_window :] if math.isfinite(h)]
+        if self.smoothing <= 0.0 or not finite:
+            return finite
+        out = [finite[0]]
+        for h in finite[1:]:
+            out.append(self.smoothing * out[-1] + (1.0 - self.smoothing) * h)
+        return out
+
+    def decide(self, end: WindowEnd) -> int | None:
+        if not end.compressing:
+            return None
+        compared = self.compared(end.history)
+        if not (end.history and math.isfinite(end.history[-1])) or len(compared) < 2:
+            return self.rank
+        assert self.error_model is not None, "cqm needs the matrices' shapes (bind_shapes)"
+        proposed = cqm_rank(compared[-2], compared[-1], self.rank_value, self.error_model)
+        if math.isfinite(proposed):  # the rate limit and the bounds act on the continuous value
+            value = min(max(proposed, self.rank_value - self.rank_step), self.rank_value + self.rank_step)
+            self.rank_value = min(max(value, float(end.r_min)), float(end.r_max))
+        self.rank = limit_rank(self.rank_value, self.rank, r_min=end.r_min, r_max=end.r_max, step=None,
+                               multiple=self.rank_multiple)
+        return self.rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "rank_value": self.rank_value, "first_window": self.first_window}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.rank = int(d["rank"])
+        self.rank_value = float(d["rank_value"])
+        self.first_window = int(d["first_window"])

@@ -24,21 +24,24 @@ Here N_k is measured on what every replica already holds alike, the averaged gra
 (edgc.comm.windowgrad), so replicas decide alike without communicating; Accordion's own
 code decides from rank 0's local gradient.
 
-`noise_scale` is the gradient noise scale B_simple of McCandlish et al. ("An Empirical
-Model of Large-Batch Training", 2018, Appendix A.1) from the two batch sizes data
-parallelism measures for free: one replica's batch and the whole world's.
-
 Pure python: nothing here calls torch.distributed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from edgc.policy.base import RankPolicy, Signals, WindowEnd
 from edgc.policy.window import limit_rank
 
-__all__ = ["DEFAULT_THRESHOLD", "CriticalRule", "critical_rank", "low_rank", "lr_dropped", "noise_scale"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_THRESHOLD", "CriticalConfig", "CriticalPolicy", "CriticalRule", "critical_rank", "low_rank",
+           "lr_dropped"]
 
 #: Accordion's eta: the relative change of the window gradient norm above which training
 #: is taken to be in a critical regime (Agarwal et al. 2021, Section 3.2).
@@ -74,33 +77,6 @@ def lr_dropped(window_min: float | None, reference: float | None, factor: float)
     if window_min is None or reference is None:
         return False
     return window_min < factor * reference
-
-
-def noise_scale(g_small_sq: float, g_big_sq: float, replicas: int) -> float:
-    """The simple gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018,
-    Appendix A.1), in units of one replica's batch b; returns nan where undefined.
-
-    `g_small_sq` estimates |G_b|^2, the squared norm of a gradient over one replica's batch
-    b (the mean over replicas of each one's ||g_i||^2), `g_big_sq` estimates |G_B|^2 over
-    the world's batch B = n b (the squared norm of the average of the n = `replicas`
-    gradients). With E|G_b|^2 = |G|^2 + tr(Sigma) / b for a batch of b examples, the two
-    sizes give
-
-        |G|^2     = (B |G_B|^2 - b |G_b|^2) / (B - b)     = (n g_big - g_small) / (n - 1)
-        tr(Sigma) = (|G_b|^2 - |G_B|^2) / (1/b - 1/B)     = b n (g_small - g_big) / (n - 1)
-
-    so B_simple / b = n (g_small - g_big) / (n g_big - g_small): b cancels into a ratio of
-    replica counts, and the result times b (in examples, or tokens) is B_simple. The paper
-    advises averaging the two squared norms over many steps before dividing, as the caller
-    does over a window. nan for fewer than 2 replicas, non-finite input or |G|^2 <= 0.
-    """
-    n = replicas
-    if n < 2 or not (math.isfinite(g_small_sq) and math.isfinite(g_big_sq)):
-        return math.nan
-    true_sq = n * g_big_sq - g_small_sq  # (n - 1) |G|^2
-    if true_sq <= 0:
-        return math.nan
-    return n * (g_small_sq - g_big_sq) / true_sq
 
 
 class CriticalRule:
@@ -158,3 +134,77 @@ class CriticalRule:
         self.previous_norm, self.lr, self.lr_min = opt(d["previous_norm"]), opt(d["lr"]), opt(d["lr_min"])
         self.lr_reference = opt(d["lr_reference"])
         self.rho, self.norm, self.lr_drop = float(d["rho"]), float(d["norm"]), bool(d["lr_drop"])
+
+
+@dataclass(kw_only=True)
+class CriticalConfig:
+    """The "critical" policy's parameters (EDGCConfig.critical)."""
+
+    threshold: float = DEFAULT_THRESHOLD
+    """eta: the relative change rho = |N_old - N_new| / N_old of the window gradient's norm
+    from one window to the next at and above which the next window runs at r_max (the
+    "critical regime"; Accordion's 0.5). A finite number > 0; a large one keeps the low
+    rank but after learning-rate drops."""
+
+    low_rank: int | None = None
+    """r_lo, the rank outside the critical regime, rounded to `rank_multiple` and kept in
+    [r_min, r_max]. None: max_rank // 2 (at least 1). The rank jumps between r_max and r_lo
+    directly: `rank_step` does not apply. At most max_rank and at least min_rank."""
+
+    lr_drop_factor: float = 0.5
+    """A learning rate (set_learning_rate) falling in a window below this factor times the
+    rate at the previous window end counts as a drop, and the next window runs at r_max
+    (Accordion). In (0, 1)."""
+
+    def check(self, bad: Callable[[str, str], None]) -> None:
+        """Call `bad(field, why)` for the first field out of its range (the bounds that
+        depend on max_rank and min_rank are EDGCConfig's to check)."""
+        if not self.threshold > 0:
+            bad("threshold", "must be a finite number > 0")
+        if self.low_rank is not None and not 1 <= self.low_rank <= 2**16:
+            bad("low_rank", "must be an integer in [1, 65536] or None (max_rank // 2)")
+        if not 0.0 < self.lr_drop_factor < 1.0:
+            bad("lr_drop_factor", "must be in (0, 1)")
+
+
+class CriticalPolicy(RankPolicy):
+    """Accordion's rule on the averaged gradient (`CriticalRule`): r_max in the critical
+    regime and for the window after a learning-rate drop, r_lo otherwise. Experimental:
+    measured on the static frontier, not beyond it. The entropy is measured too, for the
+    plots."""
+
+    signals = Signals(entropy=True, window_norm=True, learning_rate=True)
+    experimental = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.low_rank: int | None = config.critical.low_rank
+        self.rule = CriticalRule(config.critical.threshold, config.critical.lr_drop_factor)
+
+    def observe_lr(self, lr: float) -> None:
+        self.rule.observe_lr(lr)
+
+    def lr_dropped(self) -> bool:
+        return self.rule.lr_dropped()
+
+    def decide(self, end: WindowEnd) -> int | None:
+        """Every window end, warm-up included (the rule records the window's norm)."""
+        r_lo = low_rank(self.low_rank, end.r_min, end.r_max, self.rank_multiple)
+        rank = self.rule.close_window(end.window_norm, end.lr_dropped, end.r_max, r_lo)
+        logger.info("EDGC critical: step %s, window gradient norm %.6g, rho %.4g%s -> rank %s%s", end.step,
+                    end.window_norm, self.rule.rho, ", learning rate dropped" if end.lr_dropped else "", rank,
+                    "" if end.compressing else " (warm-up: not applied)")
+        if not end.compressing:
+            return None
+        self.rank = rank
+        return rank
+
+    def report(self) -> dict[str, float]:
+        return {"critical_rho": self.rule.rho, "window_norm": self.rule.norm, "lr_drop": float(self.rule.lr_drop)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "rule": self.rule.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.rank = int(d["rank"])
+        self.rule.load_state_dict(d["rule"])

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from edgc.config import MAX_RANK, check_field_types, reject_unknown_fields
+from edgc.config import MAX_RANK
+from edgc.fields import check_field_types, reject_unknown_fields
 
 __all__ = ["DACConfig", "TimeModel", "dac_ranks", "rank_for_budget", "smallest_rank", "stage_rank"]
 

@@ -1,59 +1,62 @@
-"""When compression starts: a fixed warm-up, the release's error check after it, or an
-end decided by the gradient (`max_error`)."""
+"""When compression starts: the warm-up, in one of three modes (EDGCConfig.warmup).
+
+- "gradient": the gradient ends it. Every `check_every` steps the relative error of the
+  best rank-r_max approximation of the replica-averaged gradient is measured, and
+  compression starts after the first check where it is at most `max_error`, or after
+  `warmup_steps` at the latest.
+- "fixed": exactly `warmup_steps` uncompressed steps.
+- "release-check": the released code's criterion. At least `warmup_steps` uncompressed
+  steps; eps_max, the error at r_max, is recorded at the first window end; then
+  compression starts at the first window end where the error at r_min is below eps_max.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+__all__ = ["WARMUP_MODES", "WarmupGate"]
+
+#: The values of EDGCConfig.warmup.
+WARMUP_MODES = ("gradient", "fixed", "release-check")
+
 
 class WarmupGate:
-    """Decides the step after which compression begins.
+    """Decides the step after which compression begins (see the module doc)."""
 
-    Release criterion: train uncompressed for at least `warmup_steps`; record
-    eps_max = the relative error of the best rank-r_max approximation when checks
-    begin; then, at each window end, start once eps(r_min) < eps_max. Without the
-    error check, compression starts right after `warmup_steps`.
-
-    With `max_error` (EDGCConfig.warmup_max_error) the gradient ends the warm-up: every
-    `check_every` steps the error at r_max is measured, and compression starts after the
-    first check where it is at most `max_error`, or after `warmup_steps` at the latest.
-    Measured on the tiny GPT-2, the relative error of the best rank-32 approximation falls
-    below 0.1 within the first checks (step 20 of a 1000-step run, step 6 of a 150-step one),
-    so a threshold of 0.1 ends the warm-up there (BENCHMARKS §13).
-    """
-
-    def __init__(self, warmup_steps: int, window: int, error_check: bool, max_error: float | None = None,
+    def __init__(self, mode: str, warmup_steps: int, window: int, max_error: float = 0.1,
                  check_every: int = 1) -> None:
+        if mode not in WARMUP_MODES:
+            raise ValueError(f"warm-up mode must be one of {WARMUP_MODES}, got {mode!r}")
+        self.mode = mode
         self.warmup_steps = warmup_steps
         self.window = window
-        self.error_check = error_check
         self.max_error = max_error
         self.check_every = max(1, check_every)
-        self.eps_max: float | None = None  # error at r_max, recorded at the first check
+        self.eps_max: float | None = None  # "release-check": the error at r_max at the first check
         self.open = False  # compression has started
 
     def needs_errors(self, step: int) -> bool:
         """True if step's gradient must be measured (eps at r_min and r_max) for the check."""
-        if self.open:
+        if self.open or self.mode == "fixed":
             return False
-        if self.max_error is not None:
+        if self.mode == "gradient":
             return step < self.warmup_steps and step % self.check_every == 0
-        return self.error_check and step % self.window == 0
+        return step % self.window == 0
 
     def update(self, step: int, eps_rmin: float = math.nan, eps_rmax: float = math.nan) -> bool:
         """Feed the end of `step`; returns True if compression starts with step + 1.
 
-        eps_rmin and eps_rmax are the replica-averaged relative errors measured on
-        this step's gradient when `needs_errors(step)` was True.
+        eps_rmin and eps_rmax are the replica-averaged errors measured on this step's
+        gradient when `needs_errors(step)` was True.
         """
         if self.open:
             return True
-        if self.max_error is not None:
+        if self.mode == "gradient":
             self.open = step >= self.warmup_steps or (
                 step % self.check_every == 0 and math.isfinite(eps_rmax) and eps_rmax <= self.max_error)
             return self.open
-        if not self.error_check:
+        if self.mode == "fixed":
             self.open = step >= self.warmup_steps
             return self.open
         if step % self.window != 0:

@@ -13,14 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from edgc.config import (
-    MAX_RANK,
-    SEED_LIMIT,
-    EDGCConfig,
-    check_field_types,
-    pipeline_refusal,
-    reject_unknown_fields,
-)
+from edgc.config import MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal
+from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 
@@ -78,7 +72,7 @@ class TrainConfig:
     SCALED_EDGC_DEFAULTS: ClassVar[dict[str, str]] = {
         "policy": f'"static" with --method powersgd, else "{EDGCConfig().policy}"', "max_rank": "--rank",
         "window": "steps // 15, at least 5", "iteration_sample_rate": "5 / window, in [0.1, 1]",
-        "warmup_steps": "steps // 10, at least 1 (the longest, with --edgc-warmup-max-error)", "seed": "--seed",
+        "warmup_steps": "steps // 10, at least 1", "seed": "--seed",
     }
     #: Placeholders for values that are not plain text (the CLI's help shows them).
     METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR", "lr_drop_steps": "STEP,..."}
@@ -475,8 +469,8 @@ class TrainConfig:
 
         The paper's window of 1000 iterations and alpha = 0.1 fit runs of 10^5 steps. For
         a run of S steps: window = S // 15 (at least 5) so the rank can move ~15 times;
-        alpha gives at least 5 entropy samples per window; warm-up is 10% of the steps
-        (release); the error check follows EDGCConfig (off by default, see its docstring).
+        alpha gives at least 5 entropy samples per window; the warm-up lasts at most 10% of
+        the steps (release), ended by the gradient (EDGCConfig.warmup), fixed in a pipeline.
         """
         window = self.edgc.get("window", max(5, self.steps // 15))
         values: dict[str, Any] = {
@@ -492,7 +486,7 @@ class TrainConfig:
             "sync_mode": "whole-step" if self.pp > 1 else "pipelined",
             # each stage measures its own gradient, so a warm-up the gradient ends would end
             # at different steps in different stages: a pipeline keeps the fixed warm-up
-            **({"warmup_max_error": None} if self.pp > 1 else {}),
+            **({"warmup": "fixed"} if self.pp > 1 else {}),
         }
         values.update(self.edgc)
         return EDGCConfig.from_dict(values)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.replicas import gather_replicas
-from edgc.config import EARLIER_DEFAULTS
+from edgc.config import SECTIONS, EDGCConfig, upgrade_config_v1
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
@@ -121,6 +121,16 @@ RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkp
                      "emulated_device_ms", "edgc.min_unit_mb")
 
 
+def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
+    """EDGCConfig options with each section's table ({"noise": {"exponent": 0.2}}) as flat
+    keys ("noise_exponent"), as the command line names them."""
+    out = {k: v for k, v in values.items() if not (k in SECTIONS and isinstance(v, dict))}
+    for name in SECTIONS:
+        if isinstance(values.get(name), dict):
+            out.update({f"{name}_{k}": v for k, v in values[name].items()})
+    return out
+
+
 def resume_target(path: str | Path) -> Path:
     """The checkpoint file to resume: `path` itself when it is a file or has a suffix, else a
     run folder's checkpoint.pt."""
@@ -141,8 +151,11 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     saved = dict(load_checkpoint(checkpoint)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
-    if values["edgc"]:  # (a run saved before a field existed ran with its EARLIER_DEFAULTS value)
-        values["edgc"] = {**EARLIER_DEFAULTS, **values["edgc"]}
+    if values["edgc"]:  # (compared flat, as the command line gives them; a run of edgc 0.1 upgraded)
+        edgc = values["edgc"] if "warmup" in values["edgc"] else upgrade_config_v1(values["edgc"])
+        values["edgc"] = EDGCConfig.from_dict(edgc).to_flat()
+    if "edgc" in given:
+        given = {**given, "edgc": _flat_sections(given["edgc"])}
     refused: list[str] = []
     changed: list[str] = []
 

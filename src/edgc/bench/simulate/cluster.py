@@ -17,7 +17,7 @@ from typing import Any
 
 from edgc.bench.netns import parse_rate
 from edgc.bench.simulate.gpu import GPUSpec, find_gpu
-from edgc.config import reject_unknown_fields
+from edgc.fields import reject_unknown_fields
 from edgc.models.gpt2 import PRESETS
 from edgc.train.config import load_config_file
 

@@ -157,7 +157,7 @@ GPUS: dict[str, GPUSpec] = {
 def working_bytes(element_bytes: int) -> int:
     """Return the bytes per element of the compression arithmetic for `element_bytes`-byte gradients.
 
-    edgc.comm.hook compresses fp16 and bf16 gradients in float32 (stepsync.working_dtype: P,
+    edgc.comm.hook compresses fp16 and bf16 gradients in float32 (edgc.comm.units.working_dtype: P,
     Q, M + error and the error-feedback buffer), and float32 gradients in float32.
     """
     return 4 if element_bytes == 2 else element_bytes

@@ -87,7 +87,7 @@ class DeviceTimer:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]  # the gradients' dtype
-        # the hook's working dtype (edgc.comm.stepsync.working_dtype): float32 for half gradients
+        # the hook's working dtype (edgc.comm.step.working_dtype): float32 for half gradients
         self.work_dtype = torch.float32 if working_bytes(self.dtype.itemsize) == 4 else self.dtype
         self.repeats = repeats
         # the whole batch on a GPU (as the hook runs it); at most 2 on a CPU, to keep it short

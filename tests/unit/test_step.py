@@ -1,4 +1,4 @@
-"""The step schedule of edgc.comm.stepsync in one process: the fixed lag of the pipelined
+"""The step schedule of edgc.comm.step in one process: the fixed lag of the pipelined
 mode, units cut across same-shape groups, and a non-finite late bucket. (With one replica
 the collectives are skipped but counted, so the order they are issued in can be watched.)"""
 
@@ -7,11 +7,11 @@ import torch
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.buckets import FlatBucket
-from edgc.comm.stepsync import Group, coarse_units, slot_wire_bytes
+from edgc.comm.units import Group, coarse_units, slot_wire_bytes
 
 # slots 0-3: four (8, 6) matrices, one group; 4-5: two (5, 7); 6: a bias
 SHAPES = [(8, 6), (8, 6), (8, 6), (8, 6), (5, 7), (5, 7), (7,)]
-STATIC = dict(policy="static", max_rank=2, warmup_steps=1, warmup_error_check=False, min_compression_rate=1.0)
+STATIC = dict(policy="static", max_rank=2, warmup_steps=1, min_compression_rate=1.0)
 
 
 def _params():

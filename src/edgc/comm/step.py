@@ -1,8 +1,13 @@
-"""StepSync: one step's gradient synchronisation for GradientSync, unit by unit, in one fixed
-collective order.
+"""StepSync: one step's gradient synchronisation, unit by unit, in one fixed collective order.
 
-Units. The gradient is synchronised in units, sets of parameter slots (GradientSync numbers
-the parameters by slot). A unit's round is local arithmetic around at most two
+A step takes a plan (`StepInfo`: what the synchroniser decided for it), the compression
+state (slots, groups, the plan of units) and the collectives, and hands back a
+`StepResult`: the averaged gradient is in the buckets, and the result holds what the
+synchroniser decides from (the agreed control values, whether the step was finite). It
+changes the compression state only through its methods (`commit`, `flush_error_feedback`).
+
+Units. The gradient is synchronised in units, sets of parameter slots (the compression
+state numbers the parameters by slot). A unit's round is local arithmetic around at most two
 collectives per gradient dtype in flight at a time:
 
     start      M = G + error, P = M Q (same-shape matrices stacked: one bmm)
@@ -71,13 +76,13 @@ optimiser or GradScaler skips it.
 
 Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
 last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
-to redraw), and on sampled steps this replica's finiteness, the entropy estimate, the
-gradient sample's squared norm and (the "spectral" policy) each group's effective ranks.
+to redraw), and on sampled steps this replica's finiteness, the entropy estimate and the
+gradient sample's squared norm.
 The values replicas must agree on (entropy, warm-up errors, finiteness, the sample norm
-and, at "critical" window ends, whether the learning rate dropped) travel in a control
+and, at window ends of a policy that reads the learning rate, whether it dropped) travel in a control
 all-reduce issued at the last bucket and waited for at the end of the drain: nothing
-extra blocks the backward pass. The "critical" policy's window norm needs none: it is
-read from the average, the same on every replica (edgc.comm.windowgrad), once a window.
+extra blocks the backward pass. The window norm needs none: it is read from the average,
+the same on every replica (edgc.comm.windowgrad), once a window.
 On CUDA with NCCL every collective runs on NCCL's stream and `wait` only orders the
 current stream after it (gloo, which copies CUDA tensors through the host, blocks); the
 hook's arithmetic runs on the current stream, with no side stream and so no events to record.
@@ -85,14 +90,26 @@ hook's arithmetic runs on the current stream, with no side stream and so no even
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from edgc.comm.collectives import Collectives, Issued
+from edgc.comm.compression import CompressionState, Entry
 from edgc.comm.timing import Lap, LapSum, start_lap
+from edgc.comm.units import (
+    Group,
+    PartPlan,
+    UnitPlan,
+    coarse_units,
+    dtype_order,
+    flatten_by_dtype,
+    scatter,
+    slot_wire_bytes,
+    working_dtype,
+)
 from edgc.compress import (
     compressible,
     error_feedback_,
@@ -105,57 +122,39 @@ from edgc.compress import (
     reconstruct,
     relative_lowrank_error,
 )
-from edgc.entropy import estimate_entropy, is_sampled_step, sample_into
-from edgc.policy.spectral import effective_ranks
+from edgc.entropy import estimate_entropy, sample_into
 
-if TYPE_CHECKING:
-    from edgc.comm.sync import Entry, GradientSync
-
-__all__ = ["Group", "StepInfo", "StepSync", "coarse_units", "dtype_order", "flatten_by_dtype", "scatter",
-           "slot_wire_bytes", "working_dtype"]
-
-_HALF = (torch.float16, torch.bfloat16)
+__all__ = ["CONTROL_LEN", "ENTROPY", "EPS_MAX", "EPS_MIN", "GRAD_SQ", "LR_DROP", "NONFINITE", "StepInfo", "StepResult",
+           "StepSync"]
 
 # Layout of the per-step control vector (float64, all-reduced with SUM; every entry from
-# ENTROPY on is then divided by the world size, a mean over replicas):
+# ENTROPY on is then divided by the control group's size, a mean over replicas):
 # NONFINITE  replicas whose local gradient had inf/nan (sampled steps, warm-up checks)
-# ENTROPY    the entropy of the local gradient's GDS sample (entropy policies' sampled steps)
+# ENTROPY    the entropy of the local gradient's GDS sample (sampled steps)
 # EPS_MIN, EPS_MAX  the warm-up error check's errors at r_min and r_max
 # GRAD_SQ    ||g_i||², the squared norm of the local gradient's sample: its mean is |G_small|²
 #            of the noise scale (sampled steps, world > 1; edgc.comm.windowgrad)
-# LR_DROP    1 where this replica saw the learning rate drop in the window ("critical"
-#            window ends): above 0 after the sum where any replica did
+# LR_DROP    1 where this replica saw the learning rate drop in the window (window ends of
+#            a policy that reads the learning rate): above 0 after the sum where any replica did
 NONFINITE, ENTROPY, EPS_MIN, EPS_MAX, GRAD_SQ, LR_DROP, CONTROL_LEN = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass
-class Group:
-    """The compressed matrices of one shape and dtype, batched into one bmm."""
-
-    shape: tuple[int, int]  # (m, n)
-    slots: list[int]  # parameter slots, in slot order
-    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
-    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
-    dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
-
-    @property
-    def key(self) -> tuple[int, int, str]:
-        return (*self.shape, str(self.dtype))
-
-
-@dataclass
 class StepInfo:
-    """What GradientSync decided at the start of a step (GradientSync._begin_step)."""
+    """The plan of a step: what the synchroniser decided at its start (GradientSync.begin_step)."""
 
     step: int
     compressed: bool  # low-rank round (else every unit is all-reduced whole)
     want_entropy: bool  # a sampled step: measure and agree the entropy
-    want_errors: bool  # the warm-up error check (whole-step only)
-    flush: bool  # add the error feedback to this gradient first (whole-step only)
+    want_errors: bool  # the warm-up error check
+    flush: bool  # add the error feedback to this gradient first
     scale: float  # the loss scale the gradients carry
     want_noise: bool = False  # a sampled step: agree |G_small|² for the noise scale (GRAD_SQ)
-    want_lr_drop: bool = False  # a "critical" window end: agree whether the learning rate dropped
-    watch_average: bool = False  # "critical": the average is read, so its finiteness is tracked
+    want_lr_drop: bool = False  # a window end: agree whether the learning rate dropped
+    watch_average: bool = False  # the average is read (window norm), so its finiteness is tracked
+    lr_dropped: bool = False  # this replica saw the learning rate drop in the window (with want_lr_drop)
+    error_ranks: tuple[int, int] = (0, 0)  # (r_min, r_max), the ranks the warm-up check measures at
+    time_plain: bool = False  # time the uncompressed all-reduce (r_max calibration)
 
     @property
     def want_sample(self) -> bool:
@@ -168,113 +167,28 @@ class StepInfo:
         return self.want_sample or self.want_errors or self.want_lr_drop
 
 
-def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype compression arithmetic runs in: float32 for half-precision gradients."""
-    return torch.float32 if dtype in _HALF else dtype
-
-
-def dtype_order(dtypes: Any) -> list[torch.dtype]:
-    """Distinct dtypes in a fixed order (by name), so every replica issues alike."""
-    return sorted(set(dtypes), key=str)
-
-
-def flatten_by_dtype(tensors: Any, order: Sequence[int]) -> list[tuple[torch.Tensor, list[int]]]:
-    """The tensors at positions `order` (of a list, or keys of a dict), flattened into one
-    buffer per dtype (dtypes in a fixed order); returns (flat buffer, positions it holds)
-    pairs. The buffers are copies."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i in order:
-        by_dtype.setdefault(tensors[i].dtype, []).append(i)
-    return [(torch.cat([tensors[i].reshape(-1) for i in by_dtype[d]]), by_dtype[d]) for d in dtype_order(by_dtype)]
-
-
-def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of `flat` into the tensors `outs`."""
-    offset = 0
-    for t in outs:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
-
-
-def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
-                    groups: Sequence[Group]) -> list[int]:
-    """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
-    of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], and numel
-    elements for any other slot, at the element size of the slot's gradient dtype.
-    `groups` empty: a step sent uncompressed."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
-    for g in groups:
-        for s in g.slots:
-            sizes[s] = sum(g.shape) * g.q.shape[-1] * g.dtype.itemsize
-    return sizes
-
-
-def coarse_units(units: Sequence[tuple[int, ...]], sizes: Sequence[int], min_bytes: float) -> list[tuple[int, ...]]:
-    """`units` with consecutive ones merged, in order, until each merged unit's slots hold
-    at least `min_bytes` of `sizes` (bytes per slot); a remainder below it at the end joins
-    the unit before it, or is the only unit when there is none. min_bytes 0 gives `units`
-    unchanged. Changes nothing."""
-    out: list[tuple[int, ...]] = []
-    run: tuple[int, ...] = ()
-    held = 0
-    for unit in units:
-        run += tuple(unit)
-        held += sum(sizes[s] for s in unit)
-        if held >= min_bytes:
-            out.append(run)
-            run, held = (), 0
-    if run and out:
-        out[-1] += run
-    elif run:
-        out.append(run)
-    return out
-
-
 @dataclass
-class _PartPlan:
-    """The matrices of one group that a unit holds."""
+class StepResult:
+    """What a step hands back to the synchroniser (StepSync.finish)."""
 
-    group: Group
-    column: int  # the group's position in GradientSync.groups (its column of the window sums)
-    index: slice | torch.Tensor  # their positions in the group: a slice when consecutive
-    slots: list[int]  # their slots, in group order
-
-
-@dataclass
-class UnitPlan:
-    """What a unit sends whole and what it compresses; cached per unit by GradientSync."""
-
-    slots: tuple[int, ...]  # in slot order
-    uncompressed: list[int]  # slots sent whole, in slot order
-    parts: list[_PartPlan]  # compressed matrices, by group in group order
-
-
-def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.device | None) -> UnitPlan:
-    """The UnitPlan of the unit `slots`; `groups` None: a step sent uncompressed."""
-    ordered = tuple(sorted(slots))
-    if not groups:
-        return UnitPlan(ordered, list(ordered), [])
-    where = {s: (c, pos) for c, g in enumerate(groups) for pos, s in enumerate(g.slots)}
-    positions: dict[int, list[int]] = {}
-    for s in ordered:
-        if s in where:
-            c, at = where[s]
-            positions.setdefault(c, []).append(at)
-    parts = []
-    for c in sorted(positions):
-        pos = positions[c]  # ascending, as slots and g.slots are
-        consecutive = pos == list(range(pos[0], pos[-1] + 1))
-        index = slice(pos[0], pos[-1] + 1) if consecutive else torch.tensor(pos, dtype=torch.long, device=device)
-        parts.append(_PartPlan(groups[c], c, index, [groups[c].slots[p] for p in pos]))
-    return UnitPlan(ordered, [s for s in ordered if s not in where], parts)
+    info: StepInfo
+    control: torch.Tensor | None  # the replica-averaged control vector (None: not issued)
+    grads: list[torch.Tensor]  # the averaged gradient in slot order (views of the buckets)
+    finite: bool  # a compressed step's sums were finite (its EF and Q were committed); True otherwise
+    sums_finite: torch.Tensor  # device flag: every sum tracked was finite
+    step_comm: LapSum  # this step's time waiting for collectives (the DAC's T(r))
+    plain: Lap | None  # the uncompressed all-reduce's time (info.time_plain)
+    average: torch.Tensor | None  # eager: the averaged gradient's sample, taken as each buffer was averaged
+    layout: list[tuple[int, ...]] | None  # DDP's buckets as slots, when there were several
+    bytes_uncompressed: int  # what a plain all-reduce of the step would have sent
+    entropy_seconds: float  # measuring the control values
 
 
 @dataclass
 class _Part:
     """One group's matrices of a unit, in flight."""
 
-    plan: _PartPlan
+    plan: PartPlan
     m: torch.Tensor  # (B', m, n) M = G + error, then the new error; working dtype
     q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on
     p: torch.Tensor | None = None  # (B', m, r) working dtype
@@ -292,75 +206,105 @@ class _Round:
     parts: list[_Part] = field(default_factory=list)
     p_flats: list[torch.Tensor] = field(default_factory=list)
     q_flats: list[torch.Tensor] = field(default_factory=list)
-    works: list[Any] = field(default_factory=list)  # GradientSync._Issued of the collectives in flight
+    works: list[Issued] = field(default_factory=list)  # the collectives in flight
     call: int = 0  # the hook call that issued them
 
 
 class StepSync:
-    """One step of GradientSync's hook: takes DDP's buckets one by one (`add`), issues the
+    """One step: takes the buckets (`add` one by one, or `add_all` at once), issues the
     step's collectives in the fixed order the module doc describes, and completes each
-    bucket's future with its averaged buffer. `finish` is called at the last bucket."""
+    bucket's future with its averaged buffer. `finish`, at the last bucket, returns the
+    StepResult."""
 
-    def __init__(self, state: GradientSync, pipelined: bool) -> None:
-        self.state = state
-        self.pipelined = pipelined  # slots are known at the first bucket: start units as they arrive
-        self.eager = state.eager  # each buffer is one unit, averaged in its own call
-        self.whole = state.config.sync_mode == "whole-step" and not self.eager
+    def __init__(self, info: StepInfo, compression: CompressionState, collectives: Collectives, config: Any,
+                 *, eager: bool) -> None:
+        """`info`: the plan; `config`: the EDGCConfig (read only); `eager`: every buffer is
+        one unit, averaged in its own call."""
+        self.info = info
+        self.compression = compression
+        self.collectives = collectives
+        self.config = config
+        self.eager = eager
+        self.whole = config.sync_mode == "whole-step" and not eager
+        self.device = collectives.device
         self.call = 0
         self.buckets: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] = []
         self.grads: dict[int, torch.Tensor] = {}  # slot -> its gradient, a view of its bucket
         self.owner: dict[int, int] = {}  # slot -> its bucket in this step
         self.left: list[int] = []  # per bucket: slots not yet averaged
         self.layout: list[tuple[int, ...]] = []  # this step's buckets as slots
-        self.units: list[tuple[int, ...]] = []
         self.started = 0  # units[:started] are under way
         self.in_p: list[_Round] = []  # P issued, not finished
         self.in_q: list[_Round] = []  # last collective issued, not completed
-        self.info: StepInfo  # what GradientSync decided for this step (set by _begin)
         self.step_comm = LapSum()  # this step's time waiting for collectives (the DAC's T(r))
         self.plain_lap: Lap | None = None
-        if pipelined:
-            self._begin()
+        self.bytes_uncompressed = 0
+        self.entropy_seconds = 0.0
+        self.groups = groups = list(compression.groups.values()) if info.compressed else []
+        plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
+        self.units: list[tuple[int, ...]] = [] if (self.whole or not plan) else list(plan)
+        if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
+            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups)
+            self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
+        self.bucket_units = not self.whole and not plan  # the buckets are the units
+        # eager: the warm-up check's sums over the local gradient, buffer by buffer
+        # (edgc.compress.lowrank_error_sums), and the averaged gradient's sample, taken as
+        # each buffer is averaged (the framework may change a buffer once handed back)
+        self.error_sums = [0.0, 0.0, 0.0]  # (tails at r_min and r_max, total: lowrank_error_sums)
+        self.average: torch.Tensor | None = None
+        self.ok = torch.ones((), dtype=torch.bool, device=self.device)  # every sum so far finite
+        self.local_finite = torch.ones((), dtype=torch.bool, device=self.device)  # this replica's gradient
+        self.sample: torch.Tensor | None = None
+        if info.want_sample or (eager and info.watch_average):
+            offsets, dtype = compression.sample_layout(config.gradient_sample_rate)
+            self.sample_at = offsets
+            if info.want_sample:
+                self.sample = torch.empty(offsets[-1], dtype=dtype, device=self.device)
+            if eager:
+                self.average = torch.empty(offsets[-1], dtype=dtype, device=self.device)
+        self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
+        self.next_q: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ DDP's side
+    # ------------------------------------------------------------------ the framework's side
 
     def add(self, buffer: torch.Tensor, entries: Sequence[Entry], future: torch.futures.Future) -> None:
-        """Take the next bucket; in the pipelined mode, start and finish units; eager,
-        average it before returning."""
+        """Take the next bucket of a step whose slots are known: start and finish units in
+        the pipelined mode's lag; eager, average it before returning."""
         self.call += 1
         self.buckets.append((buffer, entries, future))
-        if not self.pipelined:
-            return  # (whole-step: everything happens at the last bucket)
-        slots = self.state._bucket_views(buffer, entries, self.grads)
+        slots = self.compression.bucket_views(buffer, entries, self.grads)
         self._arrive(len(self.buckets) - 1, slots, buffer)
         if self.eager:
             self._drain()
         else:
             self._advance()
 
-    def finish(self) -> None:
+    def add_all(self, buckets: Sequence[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]],
+                grads: list[torch.Tensor], layout: list[tuple[int, ...]]) -> None:
+        """Take every bucket at once (the whole-step mode, and steps that needed the slots
+        assigned first): `grads` in slot order, `layout` each bucket's slots."""
+        self.call = len(buckets)
+        self.buckets = list(buckets)
+        self.grads = dict(enumerate(grads))
+        for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets, strict=True)):
+            self._arrive(b, slots, buffer)
+        if self.whole:
+            self.units = [tuple(range(len(grads)))]
+
+    def finish(self) -> StepResult:
         """At the last bucket: start what is left, drain every round, agree the control
-        values, commit the step and let GradientSync decide."""
-        state = self.state
-        if not self.pipelined:
-            grads, layout = state._assign_slots(self.buckets)
-            self.grads = dict(enumerate(grads))
-            self._begin()
-            for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets, strict=True)):
-                self._arrive(b, slots, buffer)
-            if self.whole:
-                self.units = [tuple(range(len(grads)))]
-        if len(self.grads) != len(state.slot_shapes):
+        values and commit the step; returns what the synchroniser decides from."""
+        compression, info = self.compression, self.info
+        if len(self.grads) != len(compression.slot_shapes):
             raise RuntimeError(
                 "EDGC saw a step without some parameters' gradients; the hook needs every "
                 "parameter in every step (do not use find_unused_parameters with EDGC)")
-        info = self.info
-        grads = [self.grads[s] for s in range(len(state.slot_shapes))]
+        grads = [self.grads[s] for s in range(len(compression.slot_shapes))]
         if info.flush:
-            state._flush_error_feedback(grads)
+            compression.flush_error_feedback(grads, info.scale)
         pending = self._control(grads)
-        if not info.compressed and not state.calibration["done"]:
-            self.plain_lap = start_lap(state.device)
+        if info.time_plain:
+            self.plain_lap = start_lap(self.device)
         self._drain()
         if self.started != len(self.units):
             raise RuntimeError("EDGC: the step's units do not cover its parameters")  # (a corrupt plan)
@@ -369,12 +313,12 @@ class StepSync:
         control = None
         if pending is not None:
             control, work = pending
-            state._wait([work])
-            control[ENTROPY:] /= state.control_size
+            self.collectives.wait([work])
+            control[ENTROPY:] /= self.collectives.control_size
         finite = self._commit() if info.compressed else True
-        if len(self.layout) > 1:
-            state._units = self.layout  # the units from the next step on (see "The plan")
-        state._end_step(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap, self.average)
+        return StepResult(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap, self.average,
+                          self.layout if len(self.layout) > 1 else None, self.bytes_uncompressed,
+                          self.entropy_seconds)
 
     def fail(self, exc: BaseException) -> None:
         """Hand `exc` to every bucket future not completed yet (nobody waits forever)."""
@@ -384,52 +328,18 @@ class StepSync:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _begin(self) -> None:
-        state = self.state
-        self.info = info = state._begin_step()
-        self.groups = groups = list(state.groups.values()) if info.compressed else []
-        plan = state._units if not self.eager else None  # (eager: each buffer is its own unit)
-        self.units = [] if (self.whole or not plan) else list(plan)
-        if self.units and state.config.min_unit_mb > 0:  # (see "Coarse units")
-            sizes = slot_wire_bytes(state.slot_shapes, state._slot_dtypes, groups)
-            self.units = coarse_units(self.units, sizes, state.config.min_unit_mb * 1e6)
-        self.bucket_units = not self.whole and not plan  # the buckets are the units
-        # eager: the warm-up check's sums over the local gradient, buffer by buffer
-        # (edgc.compress.lowrank_error_sums), and the averaged gradient's sample, taken as
-        # each buffer is averaged (the framework may change a buffer once handed back)
-        self.error_sums = [0.0, 0.0, 0.0]  # (tails at r_min and r_max, total: lowrank_error_sums)
-        self.average: torch.Tensor | None = None
-        self.ok = torch.ones((), dtype=torch.bool, device=state.device)  # every sum so far finite
-        self.local_finite = torch.ones((), dtype=torch.bool, device=state.device)  # this replica's gradient
-        self.sample = None
-        if info.want_sample or (self.eager and info.watch_average):
-            offsets, dtype = state._sample_layout()
-            self.sample_at = offsets
-            if info.want_sample:
-                self.sample = torch.empty(offsets[-1], dtype=dtype, device=state.device)
-            if self.eager:
-                self.average = torch.empty(offsets[-1], dtype=dtype, device=state.device)
-        self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
-        self.next_q: dict[int, torch.Tensor] = {}
-        # (2, groups) float64 sums of the per-group policies, added to the window's at the
-        # commit: "budget" every step, "spectral" on sampled steps
-        policy = state.config.policy
-        self.sums = (torch.zeros(2, len(groups), dtype=torch.float64, device=state.device)
-                     if groups and (policy == "budget" or (policy == "spectral" and is_sampled_step(
-                         info.step, state.config.iteration_sample_rate))) else None)
-
     def _arrive(self, b: int, slots: tuple[int, ...], buffer: torch.Tensor) -> None:
         """Bucket b's gradient is here: note it, and sample it before it is averaged."""
-        state, info = self.state, self.info
+        info = self.info
         self.layout.append(slots)
         self.left.append(len(slots))
         for s in slots:
             self.owner[s] = b
-        state.bytes_uncompressed += buffer.numel() * buffer.element_size()
+        self.bytes_uncompressed += buffer.numel() * buffer.element_size()
         if info.want_sample or info.want_errors:
             self.local_finite &= torch.isfinite(buffer).all()
         if self.sample is not None:
-            rate = state.config.gradient_sample_rate
+            rate = self.config.gradient_sample_rate
             for s in slots:
                 sample_into(self.sample[self.sample_at[s] : self.sample_at[s + 1]], self.grads[s], rate)
         if self.eager and info.want_errors:
@@ -480,12 +390,11 @@ class StepSync:
 
     def _start(self, unit: tuple[int, ...]) -> _Round:
         """M and P of a unit, and its first collectives."""
-        state = self.state
-        plan = state._unit_plan(unit, self.groups)
+        plan = self.compression.unit_plan(unit, self.groups, self.device)
         r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed))
         r.parts = [self._project_p(part) for part in plan.parts]
         if r.parts:
-            r.p_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[0], state.device)
+            r.p_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[0], self.device)
             for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
                 project_p(part.m, part.q_in, out=p)
@@ -493,11 +402,11 @@ class StepSync:
                     send.copy_(p)  # (to the wire dtype)
         # collectives: all-reduce SUM of the unit's uncompressed tensors (numel * element_size
         # bytes), then of its P ((m*r) per matrix), one buffer per dtype each
-        r.works = [state._all_reduce(flat, async_op=True) for flat, _ in r.flats]
-        r.works += [state._all_reduce(flat, async_op=True) for flat in r.p_flats]
+        r.works = [self.collectives.all_reduce(flat, async_op=True) for flat, _ in r.flats]
+        r.works += [self.collectives.all_reduce(flat, async_op=True) for flat in r.p_flats]
         return r
 
-    def _project_p(self, part: _PartPlan) -> _Part:
+    def _project_p(self, part: PartPlan) -> _Part:
         """M = G + error for a unit's matrices of one group, written where the group's new
         error feedback will live when their positions in the group are consecutive."""
         g, index, info = part.group, part.index, self.info
@@ -520,8 +429,7 @@ class StepSync:
 
     def _finish_p(self, r: _Round) -> None:
         """Wait for a unit's P; orthogonalise it, project Q and issue Q's all-reduce."""
-        state = self.state
-        state._wait(r.works, self.step_comm)
+        self.collectives.wait(r.works, self.step_comm)
         for flat in [*(f for f, _ in r.flats), *r.p_flats]:
             self.ok &= torch.isfinite(flat).all()  # (on the device: read once, at the commit)
         for part in r.parts:
@@ -529,29 +437,23 @@ class StepSync:
             if part.p_send is not part.p:
                 part.p.copy_(part.p_send)  # the sum, as it arrived
             orthogonalize_(part.p)
-        r.q_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[1], state.device)
+        r.q_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[1], self.device)
         for part, q, send in zip(r.parts, works, sends, strict=True):
             part.q, part.q_send = q, send
             assert part.p is not None
             project_q(part.m, part.p, out=q)
             if send is not q:
                 send.copy_(q)
-        if self.sums is not None and state.config.policy == "budget":
-            # ‖M‖² and, P being orthonormal, ‖PᵀM‖² = ‖Q‖² kept by the subspace (local, before the sum)
-            # (norms in the working dtype, no float64 copy of M; squared in float64)
-            for part in r.parts:
-                kept = torch.stack([torch.linalg.vector_norm(part.m), torch.linalg.vector_norm(part.q)])
-                self.sums[:, part.plan.column] += kept.double().pow(2)
         # collectives: all-reduce SUM of the unit's Q ((n*r) per matrix), one buffer per dtype
-        r.works = [state._all_reduce(flat, async_op=True) for flat in r.q_flats]
+        r.works = [self.collectives.all_reduce(flat, async_op=True) for flat in r.q_flats]
         r.call = self.call
         self.in_q.append(r)
 
     def _complete(self, r: _Round) -> None:
         """Wait for a unit's last collectives; write its average into the buckets and its
         new error feedback and Q aside (committed at the end of the step)."""
-        state, info = self.state, self.info
-        state._wait(r.works, self.step_comm)
+        info, world = self.info, self.collectives.world_size
+        self.collectives.wait(r.works, self.step_comm)
         if (info.compressed or info.watch_average) and not r.parts:
             for flat in (f for f, _ in r.flats):
                 self.ok &= torch.isfinite(flat).all()
@@ -560,7 +462,7 @@ class StepSync:
             assert part.p is not None and part.q is not None and part.q_send is not None  # (set by _finish_p)
             if part.q_send is not part.q:
                 part.q.copy_(part.q_send)
-            part.q.div_(state.world_size)
+            part.q.div_(world)
             m_hat = reconstruct(part.p, part.q)  # (B', m, n), working dtype
             for i, s in enumerate(part.plan.slots):
                 self.grads[s].copy_(m_hat[i].view(self.grads[s].shape))
@@ -577,90 +479,75 @@ class StepSync:
             else:
                 self.next_q[part.plan.column].index_copy_(0, index, part.q)
         for flat, slots in r.flats:
-            flat.div_(state.world_size)
+            flat.div_(world)
             scatter(flat, [self.grads[s] for s in slots])
         if self.average is not None:
-            rate = state.config.gradient_sample_rate
+            rate = self.config.gradient_sample_rate
             for s in r.plan.slots:
                 sample_into(self.average[self.sample_at[s] : self.sample_at[s + 1]], self.grads[s], rate)
         self._done(r.plan.slots)
 
     # ------------------------------------------------------------------ the step's end
 
-    def _control(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, Any] | None:
+    def _control(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, Issued] | None:
         """Measure this replica's entropy, gradient sample norm, warm-up errors and
         learning-rate drop, as the step wants, and issue their all-reduce (waited for in
         the drain); None on steps that need none of them."""
-        state, info, cfg = self.state, self.info, self.state.config
+        info, cfg = self.info, self.config
         if not info.want_control:
             return None
-        lap = start_lap(state.device)
+        lap = start_lap(self.device)
         control = torch.zeros(CONTROL_LEN, dtype=torch.float64)
         control[NONFINITE] = float(not bool(self.local_finite))
         if info.want_sample and info.scale != 1.0:
-            assert self.sample is not None  # (_begin allocates it on a step that wants a sample)
+            assert self.sample is not None  # (allocated on a step that wants a sample)
             self.sample.div_(info.scale)  # the true gradient's entropy and norm, not the scaled one's
         if info.want_entropy:
-            assert self.sample is not None  # (_begin allocates it on a step that wants the entropy)
+            assert self.sample is not None  # (allocated on a step that wants the entropy)
             control[ENTROPY] = estimate_entropy(self.sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
         if info.want_noise:
             assert self.sample is not None  # (and on one that wants the noise scale)
             control[GRAD_SQ] = float(torch.linalg.vector_norm(self.sample, dtype=torch.float64).square())
         if info.want_lr_drop:
-            control[LR_DROP] = float(state.critical.lr_dropped())
+            control[LR_DROP] = float(info.lr_dropped)
         if info.want_errors and self.eager:
             eps = lowrank_errors_from_sums(self.error_sums, cfg.warmup_error_norm)
             if cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
                 eps = [e / info.scale for e in eps]
             control[EPS_MIN], control[EPS_MAX] = eps
         elif info.want_errors:
+            r_max = info.error_ranks[1]
             mats = [g for s, g in enumerate(grads)
-                    if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
+                    if compressible(self.compression.slot_shapes[s], r_max, cfg.min_compression_rate)]
             if not mats:
                 eps = [float("nan"), float("nan")]
             elif cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
-                eps = [e / info.scale for e in lowrank_l1_error(mats, [state.r_min, state.r_max])]
+                eps = [e / info.scale for e in lowrank_l1_error(mats, list(info.error_ranks))]
             else:
-                eps = relative_lowrank_error(mats, [state.r_min, state.r_max])
+                eps = relative_lowrank_error(mats, list(info.error_ranks))
             control[EPS_MIN], control[EPS_MAX] = eps
-        state._entropy.add(lap.stop())
+        self.entropy_seconds += float(lap.stop())
         # collective: all-reduce SUM of CONTROL_LEN = 6 float64 values (48 bytes), issued at the
         # last bucket (pipelined: after every unit's P) and waited for at the end of the step
-        return control, state._all_reduce(control, async_op=True, device_copy=state.device, control=True)
+        return control, self.collectives.all_reduce(control, async_op=True, device_copy=self.device, control=True)
 
     def _add_error_sums(self, slots: Sequence[int]) -> None:
         """Eager warm-up check: add a buffer's compressible matrices, before they are
         averaged, to the step's error sums."""
-        state, cfg = self.state, self.state.config
+        cfg, r_max = self.config, self.info.error_ranks[1]
         mats = [self.grads[s] for s in slots
-                if compressible(state.slot_shapes[s], state.r_max, cfg.min_compression_rate)]
-        sums = lowrank_error_sums(mats, [state.r_min, state.r_max], cfg.warmup_error_norm)
+                if compressible(self.compression.slot_shapes[s], r_max, cfg.min_compression_rate)]
+        sums = lowrank_error_sums(mats, list(self.info.error_ranks), cfg.warmup_error_norm)
         self.error_sums = [a + b for a, b in zip(self.error_sums, sums, strict=True)]
 
     def _commit(self) -> bool:
         """Keep the step's new error feedback and Q if every sum was finite; returns
         whether it was. One host read: that flag and each group's count of all-zero Q."""
-        state = self.state
         dead = [self.next_q[c].flatten(1).abs().amax(dim=1) == 0 for c in range(len(self.groups))]
         flags = torch.stack([self.ok.long(), *(d.sum() for d in dead)]).tolist()
         if not flags[0]:
-            state.nonfinite_steps += 1
             return False
-        if self.sums is not None and state.config.policy == "spectral":
-            # Q is the replicas' average: the same spectrum everywhere (local work, no collective;
-            # once per group here, as eigvalsh waits for the device)
-            for c in range(len(self.groups)):
-                e = effective_ranks(self.next_q[c])  # (B,)
-                self.sums[:, c] += torch.stack([e.nan_to_num(0.0).sum(), e.isfinite().sum().double()])
-        for c, g in enumerate(self.groups):
-            if g.error is not None:
-                g.error = self.next_error[c]
-            g.q = self.next_q[c]
-            state._revive_dead_q(g, dead[c], flags[1 + c])
-        if self.sums is not None:
-            state._add_window_sums(self.sums)
-        state.compressed_steps += 1
-        state._residual_pending = True
+        self.compression.commit(self.next_error, self.next_q, dead, flags[1:])
         return True
 
 

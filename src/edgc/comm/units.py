@@ -1,0 +1,139 @@
+"""The units a step is synchronised in, and the groups of compressed matrices they hold.
+
+A `Group` is the compressed matrices of one shape and dtype, batched into one bmm, with
+their warm-start Q and error feedback. A unit is a set of parameter slots; its
+`UnitPlan` says which of its tensors travel whole and which group's matrices it
+compresses. `coarse_units` merges small units (EDGCConfig.min_unit_mb), and
+`flatten_by_dtype` and `scatter` pack tensors into the flat buffers that travel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "flatten_by_dtype", "scatter", "slot_wire_bytes",
+           "unit_plan", "working_dtype"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Group:
+    """The compressed matrices of one shape and dtype, batched into one bmm."""
+
+    shape: tuple[int, int]  # (m, n)
+    slots: list[int]  # parameter slots, in slot order
+    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
+    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
+    dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (*self.shape, str(self.dtype))
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype compression arithmetic runs in: float32 for half-precision gradients."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def dtype_order(dtypes: Any) -> list[torch.dtype]:
+    """Distinct dtypes in a fixed order (by name), so every replica issues alike."""
+    return sorted(set(dtypes), key=str)
+
+
+def flatten_by_dtype(tensors: Any, order: Sequence[int]) -> list[tuple[torch.Tensor, list[int]]]:
+    """The tensors at positions `order` (of a list, or keys of a dict), flattened into one
+    buffer per dtype (dtypes in a fixed order); returns (flat buffer, positions it holds)
+    pairs. The buffers are copies."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in order:
+        by_dtype.setdefault(tensors[i].dtype, []).append(i)
+    return [(torch.cat([tensors[i].reshape(-1) for i in by_dtype[d]]), by_dtype[d]) for d in dtype_order(by_dtype)]
+
+
+def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of `flat` into the tensors `outs`."""
+    offset = 0
+    for t in outs:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
+                    groups: Sequence[Group]) -> list[int]:
+    """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
+    of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], and numel
+    elements for any other slot, at the element size of the slot's gradient dtype.
+    `groups` empty: a step sent uncompressed."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
+    for g in groups:
+        for s in g.slots:
+            sizes[s] = sum(g.shape) * g.q.shape[-1] * g.dtype.itemsize
+    return sizes
+
+
+def coarse_units(units: Sequence[tuple[int, ...]], sizes: Sequence[int], min_bytes: float) -> list[tuple[int, ...]]:
+    """`units` with consecutive ones merged, in order, until each merged unit's slots hold
+    at least `min_bytes` of `sizes` (bytes per slot); a remainder below it at the end joins
+    the unit before it, or is the only unit when there is none. min_bytes 0 gives `units`
+    unchanged. Changes nothing."""
+    out: list[tuple[int, ...]] = []
+    run: tuple[int, ...] = ()
+    held = 0
+    for unit in units:
+        run += tuple(unit)
+        held += sum(sizes[s] for s in unit)
+        if held >= min_bytes:
+            out.append(run)
+            run, held = (), 0
+    if run and out:
+        out[-1] += run
+    elif run:
+        out.append(run)
+    return out
+
+
+@dataclass
+class PartPlan:
+    """The matrices of one group that a unit holds."""
+
+    group: Group
+    column: int  # the group's position among the compression state's groups
+    index: slice | torch.Tensor  # their positions in the group: a slice when consecutive
+    slots: list[int]  # their slots, in group order
+
+
+@dataclass
+class UnitPlan:
+    """What a unit sends whole and what it compresses; cached per unit by the compression state."""
+
+    slots: tuple[int, ...]  # in slot order
+    uncompressed: list[int]  # slots sent whole, in slot order
+    parts: list[PartPlan]  # compressed matrices, by group in group order
+
+
+def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.device | None) -> UnitPlan:
+    """The UnitPlan of the unit `slots`; `groups` None: a step sent uncompressed."""
+    ordered = tuple(sorted(slots))
+    if not groups:
+        return UnitPlan(ordered, list(ordered), [])
+    where = {s: (c, pos) for c, g in enumerate(groups) for pos, s in enumerate(g.slots)}
+    positions: dict[int, list[int]] = {}
+    for s in ordered:
+        if s in where:
+            c, at = where[s]
+            positions.setdefault(c, []).append(at)
+    parts = []
+    for c in sorted(positions):
+        pos = positions[c]  # ascending, as slots and g.slots are
+        consecutive = pos == list(range(pos[0], pos[-1] + 1))
+        index = slice(pos[0], pos[-1] + 1) if consecutive else torch.tensor(pos, dtype=torch.long, device=device)
+        parts.append(PartPlan(groups[c], c, index, [groups[c].slots[p] for p in pos]))
+    return UnitPlan(ordered, [s for s in ordered if s not in where], parts)
