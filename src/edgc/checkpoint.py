@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from edgc.atomic import atomic_write
 from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas
-from edgc.data.atomic import atomic_write
 
 __all__ = ["FILE_NAME", "gather_states", "is_torch_archive", "load_states", "read_states", "restore_state",
            "save_states", "verify_checksums"]

@@ -17,8 +17,19 @@ from typing import NoReturn
 
 from edgc import __version__
 from edgc.config import EDGCConfig
+from edgc.extras import missing_extra
 from edgc.fields import FieldType, field_docs, field_types
 from edgc.policy.registry import policy_names
+
+# Each command's line in `edgc --help` (`edgc simulate`'s parser, in edgc.bench.simulate,
+# has its own copy)
+_SHORT_HELP = {
+    "train": "train a GPT-2 preset with a gradient-sync method",
+    "prepare": "tokenise text files or folders into a training data folder",
+    "report": "compare finished runs in a table and overlay plots",
+    "bench": "measure methods side by side on an emulated slow-link cluster",
+    "simulate": "project per-step DP sync and training time onto a cluster (α–β model)",
+}
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -101,7 +112,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     from edgc.policy.dac import DACConfig
     from edgc.train.config import TrainConfig
 
-    p = sub.add_parser("train", help="train a GPT-2 preset with a gradient-sync method",
+    p = sub.add_parser("train", help=_SHORT_HELP["train"],
                        usage="edgc train [-h] [--config FILE] [--resume RUN | --auto-resume] [--overwrite] "
                              "[--OPTION VALUE ...]",
                        description=_TRAIN_DESCRIPTION, epilog=_TRAIN_EXAMPLES, formatter_class=_Manual)
@@ -305,7 +316,7 @@ examples:
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenise text files or folders into a training data folder",
+    p = sub.add_parser("prepare", help=_SHORT_HELP["prepare"],
                        description="Tokenise text files into a data folder for edgc train --data: train.bin and "
                                    "val.bin (split by file), meta.json, and a BPE's tokenizer.json. Near-duplicate "
                                    "files are left out (it prints how many).",
@@ -336,7 +347,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="compare finished runs in a table and overlay plots",
+    p = sub.add_parser("report", help=_SHORT_HELP["report"],
                        description="Compare runs of edgc train: a table of their final validation loss (± its "
                                    "standard error), bytes sent and times, against the first run, in report.md "
                                    "and in the terminal, and their curves overlaid in plots.",
@@ -358,7 +369,7 @@ def _report(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from edgc.bench import comm, pareto, soak, train
 
-    p = sub.add_parser("bench", help="measure methods side by side on an emulated slow-link cluster",
+    p = sub.add_parser("bench", help=_SHORT_HELP["bench"],
                        description="Measure the gradient-sync methods side by side. comm, train and pareto run "
                                    "each worker in its own network namespace with tc-limited links (root and "
                                    "iproute2; --loopback, or for pareto no --bandwidth, runs on 127.0.0.1 "
@@ -397,6 +408,16 @@ COMMANDS = {
     "simulate": (_add_simulate, _simulate),
 }
 
+# The extra (edgc.extras) each command needs installed. Without it the command's own
+# parser, which imports the command's modules, is not built: `edgc --help` lists it with
+# the extra to install, and main() ends it with one line saying so.
+NEEDS_EXTRA = dict.fromkeys(COMMANDS, "train")
+
+
+def _missing_extra(command: str) -> str | None:
+    """None when `command`'s extra is installed, else the one line that says which to install."""
+    return missing_extra(f"edgc {command}", NEEDS_EXTRA[command])
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgc",
@@ -404,12 +425,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument("--version", action="version", version=f"edgc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add, _ in COMMANDS.values():
-        add(sub)
+    for name, (add, _) in COMMANDS.items():
+        if _missing_extra(name) is None:
+            add(sub)
+        else:  # (listed in the help; main() stops the command before parsing its arguments)
+            sub.add_parser(name, add_help=False,
+                           help=f"{_SHORT_HELP[name]} (needs: pip install 'edgc[{NEEDS_EXTRA[name]}]')")
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` names: its first word that is not an option (edgc's own
+    options, -v, --version and -h, take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_of(argv)
+    if command in COMMANDS:
+        needs = _missing_extra(command)
+        if needs is not None:  # (one line, before any of the command's modules is imported)
+            print(needs, file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -31,7 +31,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer regex
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from edgc.data.atomic import atomic_write
+from edgc.atomic import atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgc.data.atomic import atomic_write
+from edgc.atomic import atomic_write
 
 logger = logging.getLogger(__name__)
 

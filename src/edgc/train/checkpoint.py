@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from edgc.atomic import atomic_write
 from edgc.checkpoint import is_torch_archive, verify_checksums
-from edgc.data.atomic import atomic_write
 
 FORMAT = "edgc-checkpoint"
 VERSION = 1

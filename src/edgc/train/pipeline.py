@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from edgc.atomic import atomic_write
 from edgc.comm import EDGCState, edgc_hook
 from edgc.comm.activation import ActivationGradCompressor, Carrier, Unpack
 from edgc.comm.baselines import AllReduceState, allreduce_hook
@@ -35,7 +36,6 @@ from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
 from edgc.comm.replicas import gather_replicas, replica_entry, tensors_digest
 from edgc.config import EDGCConfig
 from edgc.data import TokenFile, get_batch
-from edgc.data.atomic import atomic_write
 from edgc.models import build_model
 from edgc.models.gpt2 import GPT
 from edgc.train.checkpoint import (

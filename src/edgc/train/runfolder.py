@@ -107,7 +107,7 @@ def check_new_run(folder: str | Path, overwrite: bool) -> None:
 
 def clean_leftovers(folder: str | Path) -> list[Path]:
     """Remove temporary files left by a process killed while writing a checkpoint or
-    another file atomically (`.NAME.XXXX.tmp`, see edgc.data.atomic); returns them.
+    another file atomically (`.NAME.XXXX.tmp`, see edgc.atomic); returns them.
     Call it holding the folder's lock, so no live writer's file is removed."""
     removed = []
     for p in Path(folder).glob(".*.tmp"):
