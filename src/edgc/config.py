@@ -289,7 +289,8 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
     for name in SECTIONS:
         if name in out:
             given = out.pop(name)
-            tables[name] = dataclasses.asdict(given) if dataclasses.is_dataclass(given) else given
+            is_section = dataclasses.is_dataclass(given) and not isinstance(given, type)
+            tables[name] = dataclasses.asdict(given) if is_section else given
     for key in list(out):
         section, _, option = key.partition("_")
         if section in SECTIONS and option in {f.name for f in dataclasses.fields(SECTIONS[section])}:

@@ -159,8 +159,10 @@ def check_field_types(config: Any, bad: Callable[[str, str], Any]) -> None:
         if wanted is not None:
             bad(name, f"must be {wanted}")
         if ftype.section:
-            section = getattr(config, name)
-            check_field_types(section, lambda sub, why, _n=name: bad(f"{_n}.{sub}", why))
+            def bad_in_section(sub: str, why: str, _n: str = name) -> None:
+                bad(f"{_n}.{sub}", why)
+
+            check_field_types(getattr(config, name), bad_in_section)
     for name, allowed in getattr(config, "CHOICES", {}).items():
         if getattr(config, name) not in allowed:
             bad(name, f"must be one of {allowed}")

@@ -237,12 +237,12 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 7
     # more policies, two runs at a time: the finished runs are reused, the new ones trained side by side
-    cmd[cmd.index("--out"):cmd.index("--out")] = ["--policies", "cqm,spectral,schedule=0:4,3:2", "--jobs", "2"]
+    cmd[cmd.index("--out"):cmd.index("--out")] = ["--policies", "cqm,critical,schedule=0:4,3:2", "--jobs", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("already done, reused") == 6
     text = (out / "pareto.md").read_text()
-    assert "| edgc-spectral |" in text and "| edgc-schedule |" in text
+    assert "| edgc-critical |" in text and "| edgc-schedule |" in text
     ranks = [r["rank"] for r in read_metrics(out / "edgc-schedule" / "metrics.jsonl") if r["kind"] == "train"]
     assert ranks == [0, 4, 2, 2], ranks
     # leaving runs out: their rows go, the others are reused

@@ -140,8 +140,9 @@ def test_device_and_dtype_errors(tmp_path, data_dir, capsys):
 
 
 def test_pipeline_refuses_what_it_does_not_support_yet(tmp_path, data_dir, capsys):
-    assert main(_train(data_dir, tmp_path / "a", "--pp", "2", "--edgc-policy", "budget")) == 2
-    assert "policy='budget': does not take the DAC's stage alignment yet" in capsys.readouterr().err
+    assert main(_train(data_dir, tmp_path / "a", "--pp", "2", "--edgc-policy", "schedule",
+                       "--edgc-schedule-ranks", "0:4")) == 2
+    assert "policy='schedule': does not take the DAC's stage alignment yet" in capsys.readouterr().err
     assert main(_train(data_dir, tmp_path / "b", "--pp", "2", "--dtype", "bf16")) == 2
     assert "mixed precision is not supported with pp > 1" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before writing anything
@@ -149,7 +150,7 @@ def test_pipeline_refuses_what_it_does_not_support_yet(tmp_path, data_dir, capsy
 
 def test_rank_schedule_through_the_cli_changes_rank_at_its_knots_and_resumes_exactly(tmp_path, data_dir):
     common = ["--method", "edgc", "--rank", "8", "--steps", "10", "--eval-every", "5", "--checkpoint-every", "5",
-              "--edgc-policy", "schedule", "--edgc-rank-schedule", "0:8,6:4", "--edgc-warmup-steps", "2"]
+              "--edgc-policy", "schedule", "--edgc-schedule-ranks", "0:8,6:4", "--edgc-warmup-steps", "2"]
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, common, 5, 10)
     train = _train_records(straight)
     assert [r["rank"] for r in train] == [0, 0, 8, 8, 8, 4, 4, 4, 4, 4]
@@ -158,24 +159,16 @@ def test_rank_schedule_through_the_cli_changes_rank_at_its_knots_and_resumes_exa
 
 def test_policy_option_errors_name_the_field(tmp_path, data_dir, capsys):
     assert main(_train(data_dir, tmp_path / "a", "--method", "edgc", "--rank", "8", "--edgc-policy", "schedule",
-                       "--edgc-rank-schedule", "0:8,5:16")) == 2
-    assert "rank_schedule" in capsys.readouterr().err and not (tmp_path / "a").exists()
+                       "--edgc-schedule-ranks", "0:8,5:16")) == 2
+    assert "schedule.ranks" in capsys.readouterr().err and not (tmp_path / "a").exists()
     assert main(_train(data_dir, tmp_path / "b", "--method", "edgc", "--rank", "8", "--edgc-policy", "schedule",
-                       "--edgc-rank-schedule", "5:8,2:4")) == 2
+                       "--edgc-schedule-ranks", "5:8,2:4")) == 2
     assert "must increase" in capsys.readouterr().err
-    assert main(_train(data_dir, tmp_path / "c", "--method", "edgc", "--edgc-policy", "spectral",
-                       "--edgc-spectral-headroom", "0.5")) == 2
-    assert "spectral_headroom" in capsys.readouterr().err
-
-
-def test_spectral_policy_through_the_cli_sets_per_group_ranks(tmp_path, data_dir):
-    out = tmp_path / "run"
-    assert main(_train(data_dir, out, "--method", "edgc", "--rank", "8", "--steps", "12", "--edgc-policy", "spectral",
-                       "--edgc-min-rank", "1", "--edgc-warmup-steps", "2", "--edgc-window", "3")) == 0
-    train = _train_records(out)
-    ranks = [r["rank"] for r in train[2:]]
-    assert ranks[0] == 1 and len(set(ranks)) >= 2, ranks  # starts at r_min, then follows the spectrum
-    assert all(r["entropy"] is None for r in train)  # no gradient sample: the factors are the signal
+    assert main(_train(data_dir, tmp_path / "c", "--method", "edgc", "--edgc-policy", "critical",
+                       "--edgc-critical-lr-drop-factor", "1.5")) == 2
+    assert "EDGCConfig.critical.lr_drop_factor=1.5: must be in (0, 1)" in capsys.readouterr().err
+    assert main(_train(data_dir, tmp_path / "d", "--method", "edgc", "--edgc-policy", "spectral")) == 2
+    assert "policy='spectral': removed in edgc 0.2.0" in capsys.readouterr().err
 
 
 def test_torch_powersgd_resumes_exactly(tmp_path, data_dir):

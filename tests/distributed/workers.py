@@ -93,9 +93,9 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int, lr_
     n_buckets = len(reducer._get_zeros_like_grad_buckets()) if hasattr(reducer, "_get_zeros_like_grad_buckets") else -1
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
-            "history": list(state.controller.history),
-            "group_ranks": {str(g.shape): g.q.shape[-1] for g in state.groups.values()},
-            "eps_max": state.gate.eps_max, "signals": signals}
+            "history": list(state.sync.entropy_window.history),
+            "group_ranks": {str(g.shape): g.q.shape[-1] for g in state.sync.compression.groups.values()},
+            "eps_max": state.sync.gate.eps_max, "signals": signals}
 
 
 def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: bool = False,
@@ -211,7 +211,7 @@ def nonfinite_check(rank: int, world: int, config_kwargs: dict, bad_step: int, s
         if step == bad_step:
             finite_after_bad = all(
                 bool(torch.isfinite(g.q).all()) and (g.error is None or bool(torch.isfinite(g.error).all()))
-                for g in state.groups.values()
+                for g in state.sync.compression.groups.values()
             )
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"skipped": skipped, "buffers_finite": finite_after_bad, "stats": state.stats(), "params": flat}
@@ -321,11 +321,13 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
                 opt.step()
         finally:
             dist.all_reduce = original
-        out[mode] = {"grads": grads, "ranks": ranks, "units": state._units, "stats": state.stats(), "issued": issued,
+        compression = state.sync.compression
+        out[mode] = {"grads": grads, "ranks": ranks, "units": compression.units, "stats": state.stats(),
+                     "issued": issued,
                      "buckets": max(b for _, b, _, _, _ in issued) + 1,
-                     "error": {str(k): g.error.clone() for k, g in state.groups.items()},
-                     "q": {str(k): g.q.clone() for k, g in state.groups.items()},
-                     "group_sizes": sorted(len(g.slots) for g in state.groups.values())}
+                     "error": {str(k): g.error.clone() for k, g in compression.groups.items()},
+                     "q": {str(k): g.q.clone() for k, g in compression.groups.items()},
+                     "group_sizes": sorted(len(g.slots) for g in compression.groups.values())}
     return out
 
 
@@ -341,7 +343,7 @@ def nonfinite_late_bucket_check(rank: int, world: int, config_kwargs: dict, bad_
         opt.zero_grad(set_to_none=True)
         handle = None
         if step == bad_step:
-            before = {k: (g.error.clone(), g.q.clone()) for k, g in state.groups.items()}
+            before = {k: (g.error.clone(), g.q.clone()) for k, g in state.sync.compression.groups.items()}
             if rank == world - 1:
                 handle = model.emb.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
         loss.backward()
@@ -353,7 +355,7 @@ def nonfinite_late_bucket_check(rank: int, world: int, config_kwargs: dict, bad_
             out["skipped"] += 1
         if step == bad_step:
             out["untouched"] = all(torch.equal(g.error, before[k][0]) and torch.equal(g.q, before[k][1])
-                                   for k, g in state.groups.items())
+                                   for k, g in state.sync.compression.groups.items())
             out["finite_buckets"] = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
     out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     out["stats"] = state.stats()
@@ -469,8 +471,9 @@ def train_mixed_dtypes(rank: int, world: int, config_kwargs: dict, steps: int, h
     return {
         "params": torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]),
         "stats": state.stats(), "sent": sent,
-        "groups": sorted((g.shape, str(g.dtype), g.q.shape[-1], str(g.q.dtype)) for g in state.groups.values()),
-        "uncompressed": [(state.slot_shapes[s]) for s in state.uncompressed_slots],
+        "groups": sorted((g.shape, str(g.dtype), g.q.shape[-1], str(g.q.dtype))
+                         for g in state.sync.compression.groups.values()),
+        "uncompressed": [state.sync.compression.slot_shapes[s] for s in state.sync.compression.uncompressed_slots],
     }
 
 

@@ -11,3 +11,22 @@ def one_process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def as_edgc_0_1():
+    """A function: a nested EDGCConfig mapping (EDGCConfig.to_dict) as edgc 0.1 saved it in a
+    run's config: flat, with its own warm-up fields and the fields of removed policies."""
+    from edgc.config import EDGCConfig
+
+    def convert(values: dict) -> dict:
+        flat = EDGCConfig.from_dict(values).to_flat()
+        renamed = {"critical_lr_drop_factor": "lr_drop_factor", "cqm_smoothing": "entropy_smoothing",
+                   "schedule_ranks": "rank_schedule"}
+        out = {renamed.get(k, k): v for k, v in flat.items() if k not in ("warmup", "warmup_max_error")}
+        mode = flat["warmup"]
+        out["warmup_error_check"] = mode == "release-check"
+        out["warmup_max_error"] = flat["warmup_max_error"] if mode == "gradient" else None
+        return {**out, "error_budget": 0.05, "spectral_headroom": 1.5}
+
+    return convert

@@ -15,6 +15,7 @@ import torch
 
 from edgc import EDGCConfig, EDGCState
 from edgc.cli import _given_options, build_parser, main
+from edgc.config import SECTIONS
 from edgc.fields import field_types
 from edgc.policy.dac import DACConfig
 from edgc.train.checkpoint import CHECKPOINT_NAME, save_checkpoint
@@ -37,7 +38,7 @@ ALLOWED = {
     # bucket a unit
     *[(f, "0") for f in ("--lr-warmup-steps", "--activation-rank", "--seed", "--edgc-seed", "--edgc-warmup-steps",
                          "--max-restarts")],
-    *[(f, "0") for f in ("--grad-clip", "--weight-decay", "--min-lr", "--edgc-entropy-smoothing",
+    *[(f, "0") for f in ("--grad-clip", "--weight-decay", "--min-lr", "--edgc-cqm-smoothing",
                          "--edgc-min-compression-rate", "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept",
                          "--dac-t-mb", "--dac-t-uncompressed")],
     ("--emulated-device-ms", "0"),  # off, the default
@@ -55,7 +56,7 @@ ALLOWED = {
     *[(f, "1e12") for f in ("--lr", "--weight-decay", "--grad-clip", "--edgc-min-compression-rate",
                             "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept", "--dac-t-mb",
                             "--dac-t-uncompressed")],
-    ("--edgc-rank-schedule", ""),  # no schedule: the default, for every policy but "schedule"
+    ("--edgc-schedule-ranks", ""),  # no schedule: the default, for every policy but "schedule"
     ("--lr-drop-steps", ""),  # no drops: the default, for every lr schedule but "step"
     ("--edgc-critical-threshold", "1e12"),  # a change never that large: r_lo but after learning-rate drops
 }
@@ -67,10 +68,15 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _field_of(dest: str):
-    """(config class, field name) behind a train flag's dest."""
+    """(config class, field name) behind a train flag's dest (a section's field of
+    EDGCConfig, "noise_exponent", as (NoiseConfig, "exponent"))."""
     for prefix, cls in (("edgc__", EDGCConfig), ("dac__", DACConfig), ("", TrainConfig)):
         if dest.startswith(prefix):
-            return cls, dest[len(prefix):]
+            name = dest[len(prefix):]
+            section, _, option = name.partition("_")
+            if cls is EDGCConfig and name not in field_types(cls) and section in SECTIONS:
+                return SECTIONS[section], option
+            return cls, name
 
 
 # (the flags that are no config field: what to do with the run folder, not how to train)
@@ -228,10 +234,12 @@ def _options(*argv: str) -> dict:
 
 def test_flags_are_parsed_by_their_field_type():
     o = _options("--out", "2024", "--steps", "3", "--lr", "1e-3", "--bucket-cap-mb", "2", "--eval-tokens", "524_288",
-                 "--edgc-max-rank", "8", "--edgc-rank-schedule", "0:8", "--dac-intercept", "-0.5")
+                 "--edgc-max-rank", "8", "--edgc-schedule-ranks", "0:8", "--edgc-noise-exponent", "1",
+                 "--dac-intercept", "-0.5")
     assert o["out"] == "2024" and o["steps"] == 3 and o["eval_tokens"] == 524_288
     assert type(o["lr"]) is float and o["lr"] == 1e-3 and type(o["bucket_cap_mb"]) is float
-    assert o["edgc"] == {"max_rank": 8, "rank_schedule": "0:8"} and o["dac"] == {"intercept": -0.5}
+    assert o["edgc"] == {"max_rank": 8, "schedule_ranks": "0:8", "noise_exponent": 1.0}
+    assert type(o["edgc"]["noise_exponent"]) is float and o["dac"] == {"intercept": -0.5}
     assert TrainConfig.from_dict(o).out == "2024"
 
 
@@ -244,7 +252,7 @@ def test_only_given_flags_are_options_and_null_is_given_as_none():
 def test_bool_flags():
     assert _options("--no-progress", "--sync-after-send")["progress"] is False
     assert _options("--sync-after-send")["sync_after_send"] is True
-    assert _options("--edgc-warmup-error-check", "true")["edgc"] == {"warmup_error_check": True}  # (BENCHMARKS.md)
+    assert _options("--edgc-differential", "false")["edgc"] == {"differential": False}
     assert _options("--dac-cap-at-r-max", "FALSE")["dac"] == {"cap_at_r_max": False}
     assert _options("--no-edgc-warm-start")["edgc"] == {"warm_start": False}
 
@@ -422,15 +430,19 @@ def test_python_m_edgc_train_gives_one_line(args, message, workdir):
 def test_load_state_dict_names_the_missing_keys():
     state = EDGCState(None, EDGCConfig(max_rank=4))
     d = state.state_dict()
-    with pytest.raises(ValueError, match=r"lacks \['world_size', 'config', .*'stats'\]"):
+    with pytest.raises(ValueError, match=r"lacks \['world_size', 'replica', 'config', .*'stats'\]"):
         state.load_state_dict({"format": d["format"], "version": d["version"]})
-    for key in ("world_size", "generator", "stats"):
+    for key in ("world_size", "compression", "stats"):
         with pytest.raises(ValueError, match=f"lacks \\['{key}'\\]"):
             state.load_state_dict({k: v for k, v in d.items() if k != key})
     with pytest.raises(ValueError, match=r"'stats' lacks \['comm_seconds'\]"):
         state.load_state_dict({**d, "stats": {k: v for k, v in d["stats"].items() if k != "comm_seconds"}})
-    with pytest.raises(ValueError, match=r"\['config'\] must be dicts"):
+    with pytest.raises(ValueError, match=r"'compression' lacks \['generator'\]"):
+        state.load_state_dict({**d, "compression": {k: v for k, v in d["compression"].items() if k != "generator"}})
+    with pytest.raises(ValueError, match=r"\['config'\] must be tables"):
         state.load_state_dict({**d, "config": 5})
+    with pytest.raises(ValueError, match="version 3 is not supported"):
+        state.load_state_dict({**d, "version": 3})
     assert state.step == 0 and state.state_dict().keys() == d.keys()  # nothing was changed by the refusals
     state.load_state_dict(d)  # the whole state still loads
 

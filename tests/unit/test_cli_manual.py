@@ -43,11 +43,11 @@ def test_train_help_reads_as_a_manual():
     assert "--log {jsonl,tensorboard}" in text and "(default: jsonl)" in text
     assert "--steps INT Optimiser steps. (default: 300)" in text
     # readable placeholders, and a bool flag's two forms
-    assert "--out DIR" in text and "--data DIR|null" in text and "--edgc-rank-schedule STEP:RANK,..." in text
+    assert "--out DIR" in text and "--data DIR|null" in text and "--edgc-schedule-ranks STEP:RANK,..." in text
     assert "--progress [true|false], --no-progress Show" in text
     assert "EDGC__" not in text and "DAC__" not in text and "TEXT" in text  # (TEXT: the description)
     # an EDGC default scaled to the run is given in words, the others as EDGCConfig's
-    assert "(default: steps // 10, at least 1 (the longest, with --edgc-warmup-max-error))" in text
+    assert "(default: steps // 10, at least 1)" in text
     assert "--edgc-bins INT Histogram bins" in text
     assert "MAX_BINS (2**20). (default: 1000)" in text
     # the groups, in order, then the examples
@@ -244,9 +244,9 @@ def test_log_stats_default_is_a_log_line_and_every_is_checked(one_process_group,
 
 def test_a_pipeline_refuses_the_gradient_ended_warmup_in_one_line(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--pp", "2", "--dp", "1", "--edgc-warmup-max-error", "0.1", "--out", str(out),
+    assert main(["train", "--pp", "2", "--dp", "1", "--edgc-warmup", "gradient", "--out", str(out),
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert "warmup_max_error=0.1: a pipeline's stages would end the warm-up at different steps" in err
+    assert 'warmup="gradient": a pipeline\'s stages would end the warm-up at different steps' in err
     assert not out.exists()

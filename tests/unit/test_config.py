@@ -1,6 +1,8 @@
 import pytest
 
 from edgc import EDGCConfig
+from edgc.config import upgrade_config_v1
+from edgc.policy.critical import CriticalConfig
 
 
 @pytest.mark.parametrize(
@@ -17,15 +19,18 @@ from edgc import EDGCConfig
         ("bins", 0),
         ("warmup_steps", -1),
         ("min_compression_rate", -2.0),
-        ("cqm_method", "exact"),
+        ("cqm_method", "exact"),  # (the flat form of a section's field, as the command line gives it)
+        ("warmup", "until-done"),
         ("use_error_feedback", "yes"),
         ("sync_mode", "async"),
         ("min_unit_mb", -0.5),
     ],
 )
 def test_invalid_value_names_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        EDGCConfig(**{field: value})
+    section, _, option = field.partition("_")
+    name = f"{section}.{option}" if section == "cqm" else field
+    with pytest.raises(ValueError, match=rf"EDGCConfig\.{name}="):
+        EDGCConfig.from_dict({field: value})
 
 
 def test_min_rank_above_max_rank_is_rejected():
@@ -49,6 +54,48 @@ def test_defaults_and_round_trip():
 NAN, INF = float("nan"), float("inf")
 
 
+def test_three_spellings_of_a_section_build_the_same_config():
+    typed = EDGCConfig(policy="critical", max_rank=32, critical=CriticalConfig(threshold=0.3, low_rank=16))
+    nested = EDGCConfig.from_dict({"policy": "critical", "max_rank": 32,
+                                   "critical": {"threshold": 0.3, "low_rank": 16}})
+    flat = EDGCConfig.from_dict({"policy": "critical", "max_rank": 32, "critical_threshold": 0.3,
+                                 "critical_low_rank": 16})
+    assert typed == nested == flat
+    assert EDGCConfig.from_dict(typed.to_flat()) == EDGCConfig.from_dict(typed.to_dict()) == typed
+    assert typed.to_flat()["critical_threshold"] == 0.3 and typed.to_dict()["critical"]["threshold"] == 0.3
+    # a flat key wins over its section's table
+    assert EDGCConfig.from_dict({"noise": {"exponent": 0.25}, "noise_exponent": 0.75}).noise.exponent == 0.75
+
+
+def test_a_section_refuses_unknown_options_and_other_types():
+    with pytest.raises(ValueError, match=r"EDGCConfig.noise has no field\(s\) \['gamma'\]"):
+        EDGCConfig(noise={"gamma": 0.5})
+    with pytest.raises(ValueError, match="EDGCConfig has no field"):
+        EDGCConfig.from_dict({"noise_gamma": 0.5})
+    with pytest.raises(ValueError, match="EDGCConfig.noise=3: must be a NoiseConfig"):
+        EDGCConfig(noise=3)
+
+
+@pytest.mark.parametrize("policy", ["budget", "spectral"])
+def test_a_removed_policy_is_refused_with_the_reason(policy):
+    with pytest.raises(ValueError, match=f"EDGCConfig.policy='{policy}': removed in edgc 0.2.0"):
+        EDGCConfig(policy=policy)
+
+
+@pytest.mark.parametrize("v1, mode, max_error", [
+    ({}, "fixed", 0.1),  # (saved before the gradient-ended warm-up existed: it ran fixed)
+    ({"warmup_max_error": None, "warmup_error_check": False}, "fixed", 0.1),
+    ({"warmup_max_error": None, "warmup_error_check": True}, "release-check", 0.1),
+    ({"warmup_max_error": 0.3, "warmup_error_check": False}, "gradient", 0.3),
+])
+def test_a_config_of_edgc_0_1_upgrades_to_the_warmup_it_ran(v1, mode, max_error):
+    old = {"policy": "cqm", "max_rank": 8, "entropy_smoothing": 0.5, "lr_drop_factor": 0.25, "rank_schedule": "",
+           "error_budget": 0.05, "spectral_headroom": 1.5, **v1}
+    new = EDGCConfig.from_dict(upgrade_config_v1(old))
+    assert (new.warmup, new.warmup_max_error) == (mode, max_error)
+    assert (new.cqm.smoothing, new.critical.lr_drop_factor, new.sync_mode) == (0.5, 0.25, "whole-step")
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [
@@ -66,25 +113,28 @@ NAN, INF = float("nan"), float("inf")
         ("min_unit_mb", NAN, "min_unit_mb=nan: must be a finite number"),
         ("min_unit_mb", INF, "min_unit_mb=inf: must be a finite number"),
         ("min_unit_mb", -1e-9, r"min_unit_mb=-1e-09: must be a non-negative number \(MB\)"),
-        ("error_budget", NAN, "error_budget=nan: must be a finite number"),
-        ("entropy_smoothing", -INF, "entropy_smoothing=-inf: must be a finite number"),
+        ("noise_exponent", NAN, "noise.exponent=nan: must be a finite number"),
+        ("cqm_smoothing", -INF, "cqm.smoothing=-inf: must be a finite number"),
         ("window", True, "window=True: must be an integer, not true or false"),
         ("warmup_steps", 2**63, r"warmup_steps=9223372036854775808: must be an integer in \[-2\*\*63, 2\*\*63\)"),
         ("max_rank", 8.0, "max_rank=8.0: must be an integer or null"),
-        ("spectral_headroom", "2", "spectral_headroom='2': must be a finite number"),
+        ("critical_threshold", "2", "critical.threshold='2': must be a finite number"),
         ("policy", None, "policy=None: must be text"),
         ("warm_start", 1, "warm_start=1: must be true or false"),
-        ("rank_schedule", "abc", "rank_schedule='abc': rank schedule knot 'abc' is not STEP:RANK"),
+        ("schedule_ranks", "abc", "schedule.ranks='abc': rank schedule knot 'abc' is not STEP:RANK"),
+        ("warmup_max_error", None, 'warmup_max_error=None: must be a number in \\(0, 1\\]; for a fixed warm-up set '
+                                   'warmup="fixed"'),
+        ("warmup_error_norm", "l1", 'warmup_error_norm=\'l1\': is read by warmup="release-check" only'),
     ],
 )
 def test_types_bounds_and_finite_numbers(field, value, message):
     with pytest.raises(ValueError, match=message):
-        EDGCConfig(**{field: value})
+        EDGCConfig.from_dict({field: value})
 
 
 def test_bounds_are_inclusive():
     cfg = EDGCConfig(bins=2**20, iteration_sample_rate=1e-6, gradient_sample_rate=1e-6, max_rank=2**16,
-                     calibration_repeats=100, seed=2**32 - 1, min_compression_rate=0, entropy_smoothing=0,
+                     calibration_repeats=100, seed=2**32 - 1, min_compression_rate=0, cqm={"smoothing": 0},
                      min_unit_mb=0)
     assert cfg.bins == 2**20 and cfg.max_rank == 65536
 

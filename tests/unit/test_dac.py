@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from edgc.comm.collectives import Collectives
 from edgc.comm.pipeline import StageAlignment
 from edgc.models import build_model
 from edgc.policy.dac import DACConfig, TimeModel, dac_ranks, stage_rank
@@ -62,15 +63,10 @@ def test_stage_rank_is_dac_ranks_one_stage_at_a_time():
     assert [stage_rank(p, t, 8, t0, 3.0, 32, 100.0) for p in range(4)] == full == [8, 16, 20, 28]
 
 
-class _State:
-    """What StageAlignment needs of an EDGCState, single process."""
-
-    def __init__(self, r_max, applied_rank=8, r_min=2, stage_uncompressed=False):
-        self.r_max, self.device = r_max, torch.device("cpu")
-        self.applied_rank, self.r_min, self.stage_uncompressed = applied_rank, r_min, stage_uncompressed
-
-    def _all_reduce(self, tensor, op=None, device_copy=None):
-        pass
+def _decide(alignment, r_max, r_entropy, step, applied_rank=8, r_min=2, stage_uncompressed=False):
+    """StageAlignment.decide in one process (its collectives skipped, as with one replica)."""
+    current = None if stage_uncompressed else applied_rank
+    return alignment.decide(Collectives(), r_entropy, step, current=current, r_min=r_min, r_max=r_max)
 
 
 def test_alignment_single_stage_decisions_follow_the_rule():
@@ -78,16 +74,16 @@ def test_alignment_single_stage_decisions_follow_the_rule():
     a = StageAlignment(1, 2, None, DACConfig(t_mb=0.0035, t_uncompressed=1.0))
     for r, t in [(8, 0.008), (16, 0.016), (32, 0.032)]:
         a.observe_compressed(r, t)
-    assert a.decide(_State(32), 8, step=10) == 4  # T(r) = 1 ms * r >= 3.5 ms at r = 4
+    assert _decide(a, 32, 8, 10) == 4  # T(r) = 1 ms * r >= 3.5 ms at r = 4
     d = a.decisions[-1]
     assert (d["stage"], d["r0"], d["t0"], d["t_mb"], d["local"], d["rank"]) == (1, 0, 0.0, 0.0035, 4, 4)
     uniform = StageAlignment(0, 2, None, DACConfig(stage_ranks="uniform"))
     uniform.observe_compressed(16, 0.02)
-    assert uniform.decide(_State(32), 12, step=10) == 12
+    assert _decide(uniform, 32, 12, 10) == 12
     # stage 0 goes uncompressed when T(r0) reaches the uncompressed time
     s0 = StageAlignment(0, 2, None, DACConfig(eta=0.01, t_uncompressed=0.1))
-    assert s0.decide(_State(32), 8, step=5) == 8
-    assert s0.decide(_State(32), 12, step=10) is None
+    assert _decide(s0, 32, 8, 5) == 8
+    assert _decide(s0, 32, 12, 10) is None
     restored = StageAlignment(0, 2, None, DACConfig(eta=0.01, t_uncompressed=0.1))
     restored.load_state_dict(s0.state_dict())
     assert restored.decisions == s0.decisions
@@ -100,11 +96,11 @@ def test_measured_slack_spends_the_observed_wait():
     for w in (0.005, 0.007):  # stage 1 waited 6 ms for stage 0 on average
         a.observe_wait(w)
     # budget = T(8) + 6 ms = 14 ms -> rank 14 -> 16; the waits are cleared for the next window
-    assert a.decide(_State(32, applied_rank=8), 8, step=10) == 16
+    assert _decide(a, 32, 8, 10, applied_rank=8) == 16
     assert a.decisions[-1]["budget"] == pytest.approx(0.014) and a.waits == []
     # no wait: it keeps its time; a stage that was uncompressed starts from that time
-    assert a.decide(_State(32, applied_rank=12), 8, step=20) == 12
-    assert a.decide(_State(32, stage_uncompressed=True), 8, step=30) is None
+    assert _decide(a, 32, 8, 20, applied_rank=12) == 12
+    assert _decide(a, 32, 8, 30, stage_uncompressed=True) is None
 
 
 def test_alignment_measures_t_mb_and_keeps_recent_samples():
@@ -165,11 +161,11 @@ def test_stage_sent_uncompressed_by_dac_sends_its_residual_first():
         return grads
 
     step()  # warm-up: plain
-    (g,) = [group for group in state.groups.values()]
+    (g,) = [group for group in state.sync.compression.groups.values()]
     before = g.error.clone()
     raw = step()  # compressed at rank 2; window end: T(2) = 2 s >= 0.5 s, so uncompressed next
     torch.testing.assert_close(params[0].grad + g.error[0], raw[0] + before[0], rtol=0, atol=1e-12)
-    assert state.stage_uncompressed and state.rank == 0
+    assert state.sync.stage_uncompressed and state.rank == 0
     residual = g.error[0].clone()
     assert residual.abs().max() > 0
     raw = step()  # uncompressed, with the residual

@@ -30,9 +30,9 @@ def test_the_learning_rate_told_is_the_largest_of_every_param_group():
                            {"params": b.bias, "lr": torch.tensor(0.3)}])  # (a frozen group, a tensor rate)
     adam = torch.optim.Adam(a.parameters(), lr=0.2)
     assert _tell_learning_rate(state, [sgd, adam]) == pytest.approx(0.3)
-    assert state.critical.lr == pytest.approx(0.3)
+    assert state.sync.policy.rule.lr == pytest.approx(0.3)
     adam.param_groups[0]["lr"] = None  # (an optimizer that sizes its own steps: nothing to tell)
-    assert _tell_learning_rate(state, [adam]) is None and state.critical.lr == pytest.approx(0.3)
+    assert _tell_learning_rate(state, [adam]) is None and state.sync.policy.rule.lr == pytest.approx(0.3)
     assert _tell_learning_rate(state, [adam, sgd]) == pytest.approx(0.3)
 
 

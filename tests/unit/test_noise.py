@@ -68,47 +68,53 @@ def test_warmup_max_error_is_capped_by_warmup_steps():
 
 
 @pytest.mark.parametrize("values, field", [
-    (dict(noise_exponent=0.0), "noise_exponent"),
-    (dict(noise_exponent=-1.0), "noise_exponent"),
-    (dict(noise_exponent=4.5), "noise_exponent"),
-    (dict(noise_exponent=NAN), "noise_exponent"),
+    (dict(noise_exponent=0.0), "noise.exponent"),
+    (dict(noise_exponent=-1.0), "noise.exponent"),
+    (dict(noise_exponent=4.5), "noise.exponent"),
+    (dict(noise_exponent=NAN), "noise.exponent"),
     (dict(warmup_max_error=0.0), "warmup_max_error"),
     (dict(warmup_max_error=1.5), "warmup_max_error"),
     (dict(warmup_max_error=NAN), "warmup_max_error"),
-    (dict(warmup_max_error=0.1, warmup_error_check=True), "warmup_max_error"),
-    (dict(warmup_max_error=0.1, warmup_error_norm="l1"), "warmup_max_error"),
+    (dict(warmup_max_error=None), "warmup_max_error"),
+    (dict(warmup="gradient", warmup_error_norm="l1"), "warmup_error_norm"),
 ])
 def test_config_errors_name_the_field(values, field):
     with pytest.raises(ValueError, match=f"EDGCConfig.{field}="):
-        EDGCConfig(**values)
+        EDGCConfig.from_dict(values)
 
 
 def test_config_defaults():
     cfg = EDGCConfig(max_rank=32)
-    assert (cfg.policy, cfg.noise_exponent, cfg.warmup_max_error) == ("noise", 0.5, 0.1)
+    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.5, "gradient", 0.1)
     assert EDGCConfig(warmup_max_error=1.0).warmup_max_error == 1.0
 
 
 def test_the_default_is_noise_with_the_warmup_the_gradient_ends():
-    assert (TrainConfig().edgc_config().policy, TrainConfig().edgc_config().warmup_max_error) == ("noise", 0.1)
+    assert (TrainConfig().edgc_config().policy, TrainConfig().edgc_config().warmup) == ("noise", "gradient")
     static = TrainConfig(method="powersgd").edgc_config()
-    assert (static.policy, static.warmup_max_error) == ("static", 0.1)
-    # the release's error check, or its absolute error, takes the fixed warm-up, and says so
-    for values in (dict(warmup_error_check=True), dict(warmup_error_norm="l1")):
-        with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: .*set it to None"):
-            EDGCConfig(**values)
-        assert EDGCConfig(**values, warmup="fixed").warmup_max_error is None
+    assert (static.policy, static.warmup) == ("static", "gradient")
+    # the release's absolute error is read by the release's check only, and says so
+    with pytest.raises(ValueError, match=r'EDGCConfig.warmup_error_norm=\'l1\': is read by warmup="release-check"'):
+        EDGCConfig(warmup_error_norm="l1")
+    assert EDGCConfig(warmup="release-check", warmup_error_norm="l1").warmup_error_norm == "l1"
 
 
-def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warmup(tmp_path):
+def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warmup(tmp_path, as_edgc_0_1):
+    # a run folder of edgc 0.1: its EDGCConfig flat, from before warmup_max_error existed
     old = TrainConfig(out=str(tmp_path), edgc={"policy": "cqm"}).resolve().to_dict()
+    old["edgc"] = as_edgc_0_1(old["edgc"])
     del old["edgc"]["warmup_max_error"], old["edgc"]["noise_exponent"]  # (as runs were saved before them)
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": old})
     resumed = resume_config(tmp_path / "checkpoint.pt", {}).edgc_config()
-    assert (resumed.policy, resumed.warmup_max_error, resumed.noise_exponent) == ("cqm", None, 0.5)
+    assert (resumed.policy, resumed.warmup, resumed.noise.exponent) == ("cqm", "fixed", 0.5)
     new = TrainConfig(out=str(tmp_path)).resolve().to_dict()
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
-    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup_max_error == 0.1
+    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup == "gradient"
+    # a section's option given on resume is compared in the flat form the command line uses
+    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.5}}})
+    assert resumed.edgc_config().noise.exponent == 0.5
+    with pytest.raises(ValueError, match="--edgc-noise-exponent 0.25"):
+        resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise_exponent": 0.25}})
 
 
 def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tmp_path, monkeypatch):
@@ -118,16 +124,16 @@ def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tm
     from edgc.comm.pipeline import StageAlignment
 
     monkeypatch.chdir(tmp_path)
-    assert TrainConfig(pp=2, nproc=2).edgc_config().warmup_max_error is None
+    assert TrainConfig(pp=2, nproc=2).edgc_config().warmup == "fixed"
     assert TrainConfig(pp=2, nproc=2).edgc_config().policy == "noise"
     # one answer through both doors: edgc train's config, and a state given an alignment
-    with pytest.raises(ValueError, match="warmup_max_error=0.1: a pipeline's stages would end the warm-up"):
-        TrainConfig(pp=2, nproc=2, edgc={"warmup_max_error": 0.1}).validate()
-    with pytest.raises(ValueError, match=r"EDGCConfig.warmup_max_error=0.1: a pipeline's stages"):
+    with pytest.raises(ValueError, match='warmup="gradient": a pipeline\'s stages would end the warm-up'):
+        TrainConfig(pp=2, nproc=2, edgc={"warmup": "gradient"}).validate()
+    with pytest.raises(ValueError, match='EDGCConfig.warmup="gradient": a pipeline\'s stages'):
         EDGCState(None, EDGCConfig(max_rank=4), alignment=StageAlignment(0, 2, None))
     EDGCState(None, EDGCConfig(max_rank=4, warmup="fixed"), alignment=StageAlignment(0, 2, None))
-    with pytest.raises(ValueError, match="policy='budget': does not take the DAC's stage alignment"):
-        TrainConfig(pp=2, nproc=2, edgc={"policy": "budget"}).validate()
-    with pytest.raises(ValueError, match="policy='budget': does not take the DAC's stage alignment"):
-        EDGCState(None, EDGCConfig(max_rank=4, policy="budget", warmup="fixed"),
+    with pytest.raises(ValueError, match="policy='schedule': does not take the DAC's stage alignment"):
+        TrainConfig(pp=2, nproc=2, edgc={"policy": "schedule", "schedule_ranks": "0:4"}).validate()
+    with pytest.raises(ValueError, match="policy='schedule': does not take the DAC's stage alignment"):
+        EDGCState(None, EDGCConfig(max_rank=4, policy="schedule", schedule={"ranks": "0:4"}, warmup="fixed"),
                   alignment=StageAlignment(0, 2, None))

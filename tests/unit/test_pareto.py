@@ -32,11 +32,11 @@ def test_sweep_runs_none_every_static_rank_torch_and_each_policy():
 def test_policy_specs_carry_a_rank_schedule():
     import pytest
 
-    assert split_policies("cqm,spectral,schedule=0:32,500:16") == ["cqm", "spectral", "schedule=0:32,500:16"]
+    assert split_policies("cqm,critical,schedule=0:32,500:16") == ["cqm", "critical", "schedule=0:32,500:16"]
     assert split_policies("schedule=0:32,500:16;cqm") == ["schedule=0:32,500:16", "cqm"]
     name, kind, rank, args = sweep(32, ["schedule=0:32,500:16"])[-1]
     assert (name, kind, rank) == ("edgc-schedule", "dynamic", 32)
-    assert args[-4:] == ["--edgc-policy", "schedule", "--edgc-rank-schedule", "0:32,500:16"]
+    assert args[-4:] == ["--edgc-policy", "schedule", "--edgc-schedule-ranks", "0:32,500:16"]
     with pytest.raises(ValueError, match="give a schedule"):
         sweep(32, ["schedule"])
     with pytest.raises(ValueError, match="give a schedule"):

@@ -77,7 +77,7 @@ def test_pickle_keeps_config_and_loaded_state():
     c = EDGCState(None, EDGCConfig(max_rank=8, seed=3))
     c.load_state_dict(saved)
     d = pickle.loads(pickle.dumps(c))
-    assert d.state_dict()["generator"].equal(saved["generator"])
+    assert d.state_dict()["compression"]["generator"].equal(saved["compression"]["generator"])
 
 
 def test_grad_scale_must_be_positive_and_finite():
@@ -86,4 +86,4 @@ def test_grad_scale_must_be_positive_and_finite():
         with pytest.raises(ValueError, match="grad scale"):
             state.set_grad_scale(bad)
     state.set_grad_scale(1024)
-    assert state.grad_scale == 1024.0
+    assert state.sync.grad_scale == 1024.0

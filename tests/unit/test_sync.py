@@ -28,7 +28,7 @@ def test_error_sums_add_up_over_pieces_to_the_whole():
 def test_declared_slots_are_fixed_and_checked():
     sync = GradientSync(None, EDGCConfig(max_rank=4), eager=True)
     sync.declare([[("a", (4, 3)), ("b", (3,))], [("c", (5, 2))]], [torch.float32, torch.float32])
-    assert sync.slot_shapes == [(4, 3), (3,), (5, 2)]
+    assert sync.compression.slot_shapes == [(4, 3), (3,), (5, 2)]
     with pytest.raises(RuntimeError, match="declared"):
         sync.declare([[("d", (2, 2))]], [torch.float32])
     with pytest.raises(ValueError, match="dtypes"):

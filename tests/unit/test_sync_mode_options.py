@@ -25,8 +25,9 @@ def test_compute_only_is_refused_in_a_pipeline(tmp_path, monkeypatch):
         TrainConfig(method="compute-only", pp=2, nproc=2).validate()
 
 
-def test_a_run_from_before_the_sync_modes_resumes_whole_step(tmp_path):
+def test_a_run_from_before_the_sync_modes_resumes_whole_step(tmp_path, as_edgc_0_1):
     old = TrainConfig(out=str(tmp_path)).resolve().to_dict()
+    old["edgc"] = as_edgc_0_1(old["edgc"])
     del old["edgc"]["sync_mode"]  # (as config.json and checkpoints were written before)
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": old})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().sync_mode == "whole-step"
@@ -35,7 +36,7 @@ def test_a_run_from_before_the_sync_modes_resumes_whole_step(tmp_path):
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().sync_mode == "pipelined"
 
 
-def test_a_resumed_run_may_change_min_unit_mb_and_no_other_edgc_option(tmp_path):
+def test_a_resumed_run_may_change_min_unit_mb_and_no_other_edgc_option(tmp_path, as_edgc_0_1):
     saved = TrainConfig(out=str(tmp_path), edgc={"min_unit_mb": 0.5}).resolve().to_dict()
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": saved})
     resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"min_unit_mb": 2.0}, "steps": 400})
@@ -45,6 +46,7 @@ def test_a_resumed_run_may_change_min_unit_mb_and_no_other_edgc_option(tmp_path)
                                          r"edgc\.min_unit_mb"):
         resume_config(tmp_path / "checkpoint.pt", {"edgc": {"min_unit_mb": 2.0, "window": 7}})
     old = TrainConfig(out=str(tmp_path)).resolve().to_dict()
+    old["edgc"] = as_edgc_0_1(old["edgc"])
     del old["edgc"]["min_unit_mb"]  # (as runs were saved before the option existed)
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": old})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().min_unit_mb == 0.0

@@ -42,8 +42,8 @@ import torch
 
 from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.bench.train import time_to_target, train_on_cluster
-from edgc.policy.registry import policy_names
 from edgc.models import PRESETS
+from edgc.policy.registry import policy_names
 from edgc.train.config import TrainConfig
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
@@ -92,7 +92,8 @@ def sweep(r_max: int, policies: list[str]) -> list[tuple[str, str, int | None, l
     for spec in policies:
         policy, _, schedule = spec.partition("=")
         if policy not in policy_names() or policy == "static":
-            raise ValueError(f"unknown dynamic policy {policy!r}; choose from {[p for p in policy_names() if p != 'static']}")
+            dynamic = [p for p in policy_names() if p != "static"]
+            raise ValueError(f"unknown dynamic policy {policy!r}; choose from {dynamic}")
         if (policy == "schedule") != bool(schedule):
             raise ValueError(f'{spec!r}: give a schedule as schedule=STEP:RANK,... and only for "schedule"')
         extra = ["--edgc-schedule-ranks", schedule] if schedule else []

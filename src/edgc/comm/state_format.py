@@ -18,6 +18,8 @@ import math
 from typing import Any
 
 from edgc.config import upgrade_config_v1
+from edgc.policy.base import RankPolicy
+from edgc.policy.registry import policy_class
 
 __all__ = ["FORMAT", "VERSION", "check_state", "upgrade_v1"]
 
@@ -84,14 +86,7 @@ def upgrade_v1(d: dict[str, Any]) -> dict[str, Any]:
     stage_uncompressed = bool(d.get("stage_uncompressed", False))
     rank_in_use = applied if phase == "compress" and not stage_uncompressed else 0
     name = config["policy"]
-    policy: dict[str, Any] = {"rank": int(controller["rank"])}
-    if name == "cqm":  # (states before rank_value existed: the rounded rank)
-        policy.update(rank_value=float(controller.get("rank_value", controller["rank"])),
-                      first_window=int(controller["first_window"]))
-    elif name == "critical":
-        rule = d.get("critical") or {"previous_norm": None, "lr": None, "lr_min": None, "lr_reference": None,
-                                     "rho": math.nan, "norm": math.nan, "lr_drop": False}
-        policy = {"rank": applied, "rule": dict(rule)}
+    policy = getattr(policy_class(name), "state_from_v1", RankPolicy.state_from_v1)(d)
     return {
         "format": FORMAT, "version": VERSION,
         "world_size": d["world_size"], "replica": d.get("replica"), "config": config,

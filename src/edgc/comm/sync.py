@@ -345,10 +345,10 @@ class GradientSync:
                 self._step = None
                 self._end_step(step.finish())
         except Exception as exc:
-            buffers, self._step, self._buffers = self._buffers, None, None  # (the next step starts afresh)
+            left, self._step, self._buffers = self._buffers, None, None  # (the next step starts afresh)
             if step is not None:
                 step.fail(exc)
-            for _, _, fut in buffers or []:
+            for _, _, fut in left or []:
                 if not fut.done():
                     fut.set_exception(exc)
             raise

@@ -139,3 +139,9 @@ class RankPolicy:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rank = int(d["rank"])
+
+    @classmethod
+    def state_from_v1(cls, v1: dict[str, Any]) -> dict[str, Any]:
+        """This policy's `state_dict` from a whole version-1 state (edgc 0.1), which kept the
+        rank rules' state in "controller" and the learning rates in "critical"."""
+        return {"rank": int(v1["controller"]["rank"])}

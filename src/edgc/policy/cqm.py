@@ -334,3 +334,9 @@ class CQMPolicy(RankPolicy):
         self.rank = int(d["rank"])
         self.rank_value = float(d["rank_value"])
         self.first_window = int(d["first_window"])
+
+    @classmethod
+    def state_from_v1(cls, v1: dict[str, Any]) -> dict[str, Any]:
+        controller = v1["controller"]  # (states before rank_value existed: the rounded rank)
+        return {"rank": int(controller["rank"]), "rank_value": float(controller.get("rank_value", controller["rank"])),
+                "first_window": int(controller["first_window"])}

@@ -208,3 +208,9 @@ class CriticalPolicy(RankPolicy):
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rank = int(d["rank"])
         self.rule.load_state_dict(d["rule"])
+
+    @classmethod
+    def state_from_v1(cls, v1: dict[str, Any]) -> dict[str, Any]:
+        # (states before this policy existed lack "critical": nothing recorded yet)
+        rule = v1.get("critical") or CriticalRule().state_dict()
+        return {"rank": int(v1.get("applied_rank", v1["controller"]["rank"])), "rule": dict(rule)}
