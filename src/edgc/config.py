@@ -246,6 +246,9 @@ class EDGCConfig:
             bad("warmup_steps", "must be a non-negative integer")
         if not 0.0 < self.warmup_max_error <= 1.0:
             bad("warmup_max_error", "must be in (0, 1]")
+        if self.warmup_max_error != _DEFAULT_MAX_ERROR and self.warmup != "gradient":
+            bad("warmup_max_error", f'is read by warmup="gradient" only (warmup={self.warmup!r} does not end on an '
+                                    'error)')
         if self.warmup_error_norm != "relative" and self.warmup != "release-check":
             bad("warmup_error_norm", f'is read by warmup="release-check" only (warmup={self.warmup!r} measures '
                                      'the relative error)')
@@ -279,6 +282,10 @@ class EDGCConfig:
         """Build from a mapping, nested (`to_dict`) or flat (`to_flat`), or both (a flat key
         wins over its section's table); an unknown key raises ValueError naming it."""
         return cls(**nest(values))
+
+
+#: The default of EDGCConfig.warmup_max_error, which other warm-up modes leave as it is.
+_DEFAULT_MAX_ERROR = EDGCConfig.__dataclass_fields__["warmup_max_error"].default
 
 
 def nest(values: dict[str, Any]) -> dict[str, Any]:

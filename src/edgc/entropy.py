@@ -1,6 +1,6 @@
 """Gradient Data Sampler (GDS): sampling a gradient and estimating its entropy.
 
-EDGC follows the entropy of the gradient (EDGC_SPEC.md, "Component 1"). Measuring it on
+EDGC follows the entropy of the gradient (the paper's first component; docs/method.md). Measuring it on
 every step over every element would cost as much as a pass over the whole gradient, so
 the GDS samples at two levels:
 

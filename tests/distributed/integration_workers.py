@@ -37,9 +37,11 @@ def _flat(module: nn.Module) -> torch.Tensor:
 
 def shared_part(state_dict: dict[str, Any]) -> dict[str, Any]:
     """What every replica's EDGC state must agree on (error feedback is each one's own)."""
-    return {k: state_dict[k] for k in ("step", "phase", "applied_rank", "r_min", "r_max", "controller", "gate",
-                                        "generator", "uncompressed_slots")} | {
-        "q": [g["q"] for g in state_dict["groups"]], "entropy": state_dict["stats"]["last_entropy"],
+    compression = state_dict["compression"]
+    shared = ("step", "phase", "applied_rank", "r_min", "r_max", "policy", "entropy", "gate")
+    return {k: state_dict[k] for k in shared} | {
+        "generator": compression["generator"], "uncompressed_slots": compression["uncompressed_slots"],
+        "q": [g["q"] for g in compression["groups"]], "entropy_now": state_dict["stats"]["last_entropy"],
         "bytes": (state_dict["stats"]["bytes_sent"], state_dict["stats"]["bytes_uncompressed"])}
 
 

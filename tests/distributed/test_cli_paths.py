@@ -214,7 +214,7 @@ def test_min_unit_mb_reaches_the_state_may_change_on_resume_and_a_bad_value_ends
     assert proc.returncode == 0, proc.stderr
     ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
     assert [r["comm"]["config"]["min_unit_mb"] for r in ckpt["replicas"]] == [0.05, 0.05]
-    assert len(ckpt["replicas"][0]["comm"]["units"]) > 1
+    assert len(ckpt["replicas"][0]["comm"]["compression"]["units"]) > 1
     proc = _edgc("train", "--resume", str(run), "--stop-after", "null", "--edgc-min-unit-mb", "0.2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
@@ -268,7 +268,7 @@ def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exac
     assert ranks[2:] == expected, (ranks, [r["noise_scale"] for r in train[2::3]])
     proc = _edgc(*_train(data_dir, tmp_path / "bad", "--edgc-warmup-max-error", "0"), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "edgc train: error: EDGCConfig.warmup_max_error=0.0: must be in (0, 1] or None (a fixed warm-up)"]
+        "edgc train: error: EDGCConfig.warmup_max_error=0.0: must be in (0, 1]"]
 
 
 HSDP = ["--dp-shard", "2", "--dp-replicate", "2", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",

@@ -74,17 +74,19 @@ def test_bf16_mixed_precision_compresses_with_replicas_identical():
     config = dict(BASE, policy="cqm")
     out = run_workers(fsdp_workers.train, 4, "edgc", config, 10, {"dtype": "bfloat16"}, timeout=300)
     _check_compressed_run(out, 10)
-    assert out[0]["state"]["groups"] and all(g["dtype"] == "bfloat16" for g in out[0]["state"]["groups"])
-    assert all(g["q"].dtype == torch.float32 for g in out[0]["state"]["groups"])  # (float32 arithmetic)
+    groups = out[0]["state"]["compression"]["groups"]
+    assert groups and all(g["dtype"] == "bfloat16" for g in groups)
+    assert all(g["q"].dtype == torch.float32 for g in groups)  # (float32 arithmetic)
 
 
 def test_state_round_trips_through_distributed_checkpoint(tmp_path):
     out = run_workers(fsdp_workers.dcp_round_trip, 4, dict(BASE, policy="cqm"), 6, str(tmp_path / "dcp"),
                       timeout=300)
     for r in out:
-        assert r["saved"]["groups"]  # (compressing: error feedback and Q to carry)
+        assert r["saved"]["compression"]["groups"]  # (compressing: error feedback and Q to carry)
         assert_same(r["saved"], r["loaded"], "state")
-    assert not torch.equal(out[0]["saved"]["groups"][0]["error"], out[1]["saved"]["groups"][0]["error"])
+    errors = [r["saved"]["compression"]["groups"][0]["error"] for r in out[:2]]
+    assert not torch.equal(errors[0], errors[1])
 
 
 @pytest.mark.parametrize("case,message", [
@@ -104,7 +106,8 @@ def test_refusals_name_the_problem(case, message):
 def test_warmup_ends_at_the_first_error_check_that_passes_measured_module_by_module():
     # checks every 3rd step (alpha 1/3); an error bound of 1 passes at the first check, step 3,
     # from the local shards' singular values summed over every module, agreed over the mesh
-    config = dict(BASE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 3, warmup_max_error=1.0)
+    config = dict(BASE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 3, warmup="gradient",
+                  warmup_max_error=1.0)
     out = run_workers(fsdp_workers.train, 4, "edgc", config, 8, timeout=300)
     _check_compressed_run(out, 8)
     # a bound no gradient meets keeps the warm-up to its cap

@@ -12,7 +12,7 @@ from test_hook_ddp import DYNAMIC
 def test_state_built_before_the_group_and_pickled_into_workers_syncs():
     # Lightning's recipe: the state is made in the launching process, with no group, and
     # travels to the workers by pickle. It must bind the workers' group at its first step.
-    state = EDGCState(None, EDGCConfig(**DYNAMIC))
+    state = EDGCState(None, EDGCConfig.from_dict(DYNAMIC))
     results = run_workers(workers.train_given_state, 2, state, 16, timeout=240)
     assert [r["world_size"] for r in results] == [2, 2]
     assert results[0]["stats"].compressed_steps == 12

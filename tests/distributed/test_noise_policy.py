@@ -56,7 +56,7 @@ def test_noise_policy_resumes_exactly_mid_window():
 
 
 # the warm-up the gradient ends: checks every third step (alpha 1/3), at most 20 steps
-GATED = dict(NOISE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 3)
+GATED = dict(NOISE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 3, warmup="gradient")
 
 
 @pytest.mark.parametrize("max_error, first_compressed", [

@@ -49,7 +49,7 @@ def test_both_modes_give_the_same_average_and_residuals_in_float64(world):
 # The rank drops from 8 to 2 at step 10. At rank 8 each of StackNet's buckets puts more than
 # min_unit_mb (4000 bytes) on the wire: each holds a matrix, the smallest (40, 40) one sending
 # (40 + 40) * 8 float64 elements, 5120 bytes. At rank 2 each sends less, and runs are merged.
-SCHEDULED = dict(DYNAMIC, policy="schedule", rank_schedule="0:8,10:2")
+SCHEDULED = dict(DYNAMIC, policy="schedule", schedule_ranks="0:8,10:2")
 COARSE = {"whole-step": {"sync_mode": "whole-step"}, "pipelined": {"sync_mode": "pipelined"},
           "coarse": {"sync_mode": "pipelined", "min_unit_mb": 0.004}}
 

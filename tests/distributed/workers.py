@@ -98,11 +98,28 @@ def train_and_report(rank: int, world: int, config_kwargs: dict, steps: int, lr_
             "eps_max": state.sync.gate.eps_max, "signals": signals}
 
 
+def as_version_1(d: dict) -> dict:
+    """A state_dict() as edgc 0.1 (state format 1) wrote it, for a policy whose state is its
+    rank (as "cqm" and "noise" keep it: rank, rank_value, first_window)."""
+    config = EDGCConfig.from_dict(d["config"])
+    flat = {k: v for k, v in config.to_flat().items() if k not in ("warmup", "warmup_max_error")}
+    flat.update(warmup_error_check=config.warmup == "release-check",
+                warmup_max_error=config.warmup_max_error if config.warmup == "gradient" else None)
+    policy = d["policy"]["state"]
+    controller = {**d["entropy"], "rank": policy["rank"], "rank_value": policy.get("rank_value", policy["rank"]),
+                  "first_window": policy.get("first_window", 0), "r_min": d["r_min"], "r_max": d["r_max"],
+                  "moves": 0}
+    keep = ("world_size", "replica", "step", "phase", "applied_rank", "stage_uncompressed", "step_phase",
+            "step_rank", "r_min", "r_max", "window_gradient", "gate", "calibration", "alignment", "stats")
+    return {"format": "edgc-state", "version": 1, **{k: d[k] for k in keep}, "config": flat,
+            "controller": controller, **{k: v for k, v in d["compression"].items() if k != "residual_pending"}}
+
+
 def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: bool = False,
                  lr_drop: int | None = None) -> dict:
     """2n straight steps vs n steps, checkpoint through bytes, fresh objects, n more.
-    `legacy`: the checkpoint's state is made to look like one written before the
-    pipelined mode (no "units", no "sync_mode" in its config). `lr_drop`: see _train.
+    `legacy`: the checkpoint's state is made to look like one edgc 0.1 wrote before the
+    pipelined mode (state format 1, with no "units" and no "sync_mode" in its config). `lr_drop`: see _train.
     Also each run's per-step "critical" signals."""
     config = EDGCConfig.from_dict(config_kwargs)
     model, ddp, state, opt = _make(config)
@@ -119,6 +136,7 @@ def resume_check(rank: int, world: int, config_kwargs: dict, n: int, legacy: boo
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
     if legacy:
+        ckpt["edgc"] = as_version_1(ckpt["edgc"])
         del ckpt["edgc"]["units"]
         del ckpt["edgc"]["config"]["sync_mode"]
     model, ddp, state, opt = _make(config, seed=123)  # different init: everything must come from the checkpoint
@@ -292,7 +310,7 @@ def compare_modes(rank: int, world: int, config_kwargs: dict, steps: int, bucket
         torch.manual_seed(0)
         model = StackNet().double()
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-        state = EDGCState(None, EDGCConfig(**{**config_kwargs, **overrides}))
+        state = EDGCState(None, EDGCConfig.from_dict({**config_kwargs, **overrides}))
         where, issued = [0, 0, False], []
 
         # (this run's `where` and `issued` are bound as defaults; unannotated: DDP checks

@@ -99,7 +99,7 @@ def test_monte_carlo_single_sample_is_exact_eckart_young() -> None:
 
 
 def test_mp_curve_for_paper_scale_shape_is_fast_and_cached() -> None:
-    # GPT2-12.1B hidden size 3584 (EDGC_SPEC.md, reported setup); its MLP matrix is 3584×14336.
+    # GPT2-12.1B hidden size 3584 (the paper's reported setup); its MLP matrix is 3584×14336.
     from edgc.policy import cqm
 
     cqm._mp_curve.cache_clear()
@@ -191,7 +191,7 @@ def model() -> ErrorModel:
 
 
 def test_cqm_rank_follows_entropy(model: ErrorModel) -> None:
-    # Window-to-window entropy moves are small (EDGC_SPEC.md: a slow decline). They must
+    # Window-to-window entropy moves are small (the paper: a slow decline). They must
     # be: at r0 = 32 of 768, g(r0) ≈ 0.95, so a fall of -log g(r0) ≈ 0.05 nat already
     # asks for rank 0.
     r0 = 32.0

@@ -77,6 +77,7 @@ def test_warmup_max_error_is_capped_by_warmup_steps():
     (dict(warmup_max_error=NAN), "warmup_max_error"),
     (dict(warmup_max_error=None), "warmup_max_error"),
     (dict(warmup="gradient", warmup_error_norm="l1"), "warmup_error_norm"),
+    (dict(warmup="fixed", warmup_max_error=0.3), "warmup_max_error"),  # (it would be ignored)
 ])
 def test_config_errors_name_the_field(values, field):
     with pytest.raises(ValueError, match=f"EDGCConfig.{field}="):

@@ -113,8 +113,7 @@ class EDGCState:
         """Config, alignment and state_dict() only: process groups and CUDA events cannot
         travel between processes."""
         sync = self.sync
-        saved = sync._loaded if sync.collectives.bound is None else sync.state_dict()
-        return {"config": sync.config, "alignment": sync.alignment, "state": saved,
+        return {"config": sync.config, "alignment": sync.alignment, "state": sync.state_to_carry(),
                 "group_dropped": sync.collectives.group_dropped or sync.process_group is not None,
                 "grad_scale": float(sync.grad_scale)}
 

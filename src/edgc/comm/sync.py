@@ -254,6 +254,11 @@ class GradientSync:
             },
         }
 
+    def state_to_carry(self) -> dict[str, Any] | None:
+        """What a copy of this synchroniser in another process must load: its state_dict()
+        once it has stepped; before, the state loaded into it, or None."""
+        return self._loaded if self.collectives.bound is None else self.state_dict()
+
     def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True) -> None:
         """Restore from state_dict() (version 2, or version 1 through its upgrade); raises
         ValueError on a foreign or mismatched state.

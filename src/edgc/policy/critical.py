@@ -1,7 +1,7 @@
 """The "critical" rank policy: high rank while training changes fast, low rank otherwise.
 
-Why not the gradient's shape. Measured on the tiny GPT-2 (BENCHMARKS §8 and §9), every
-shape signal (entropy, the spectrum's effective rank, the energy a rank leaves out) grows
+Why not the gradient's shape. Measured on the tiny GPT-2 (BENCHMARKS.md, "Where does
+rank matter"), every shape signal (entropy, the spectrum's effective rank, the energy a rank leaves out) grows
 over training, so the policies that follow them hold r_max to the end, while the loss
 says rank is worth most early: the fixed schedule "0:32,500:16" of a 1000-step run beats
 the static-rank frontier. This rule looks for that shape in how fast the gradient

@@ -1,6 +1,6 @@
 """Dynamic Alignment Compressor (DAC): per-pipeline-stage ranks that finish together.
 
-EDGC_SPEC.md, "DAC: aligning ranks across pipeline stages". In 1F1B the last micro-batch's
+The paper's DAC, aligning ranks across pipeline stages (docs/pipelines.md). In 1F1B the last micro-batch's
 backward pass runs from the last stage to the first, so stage p finishes its last backward
 about p·t_mb before stage 0 (t_mb = one micro-batch's backward time) and stage 0 is the
 critical path of the data-parallel gradient sync. (The spec's wording says "after"; what

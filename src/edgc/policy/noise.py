@@ -1,7 +1,7 @@
 """The "noise" rank policy: compress harder as the gradient's own noise grows.
 
-Why. Measured on the tiny GPT-2 (BENCHMARKS §8 to §12), rank is worth most early in a
-run, while every signal of the gradient's shape (entropy, effective rank, the energy a
+Why. Measured on the tiny GPT-2 (BENCHMARKS.md, "Where does rank matter"), rank is worth
+most early in a run, while every signal of the gradient's shape (entropy, effective rank, the energy a
 rank leaves out) grows over training and so holds the rank up. One signal moves the
 right way: the gradient noise scale B_simple of McCandlish et al. ("An Empirical Model
 of Large-Batch Training", 2018), measured for free from each replica's gradient and

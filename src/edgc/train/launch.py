@@ -131,6 +131,10 @@ def _worker(fn: Callable, rank: int, world: int, port: int, out_dir: str, thread
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world)
         result: tuple[str, Any, str] = ("ok", fn(rank, world, *args), "")
+        # Keep this: a gloo group left alive at interpreter shutdown can abort a worker after
+        # its work succeeded ("terminate called without an active exception"; torch's, not
+        # the hook's: a plain DDP script does it too). See end_process_group and
+        # docs/integrations.md, "At exit".
         end_process_group()
     except BaseException as exc:  # report every failure to the parent, then exit
         result = ("error", traceback.format_exc(), f"{type(exc).__name__}: {exc}".splitlines()[0])

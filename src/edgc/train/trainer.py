@@ -330,6 +330,9 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
         dist.barrier()  # every rank leaves together
     finally:
         lock.release()
+        # Keep this: under torchrun a gloo group still alive at interpreter shutdown can
+        # abort the worker after training finished, and torchrun then reports the job
+        # failed (end_process_group; docs/integrations.md, "At exit").
         end_process_group()
     # rank 0 says it and fails the job; the others leave quietly (their guards do not
     # follow the checkpoints: "no checkpoint was written" would be theirs to say)

@@ -57,7 +57,7 @@ __all__ = [
     "wire_crossover_rank",
 ]
 
-# The paper's headline figures (arXiv 2511.10333; EDGC_SPEC.md, "Reported setup and results").
+# The paper's headline figures (arXiv 2511.10333, its reported setup and results).
 PAPER_COMM_REDUCTION = 0.4645
 PAPER_TIME_REDUCTION = 0.1613
 
