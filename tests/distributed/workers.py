@@ -482,9 +482,9 @@ def train_mixed_dtypes(rank: int, world: int, config_kwargs: dict, steps: int, h
         x, y = torch.randn(8, 24, generator=g), torch.randn(8, 16, generator=g)
         loss = F.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
-        before = state.bytes_sent
+        before = state.stats().bytes_sent
         loss.backward()
-        sent.append(state.bytes_sent - before)
+        sent.append(state.stats().bytes_sent - before)
         opt.step()
     return {
         "params": torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]),
