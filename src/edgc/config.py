@@ -22,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from edgc.entropy import ESTIMATORS
 from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.policy.cqm import CQMConfig
@@ -31,12 +33,16 @@ from edgc.policy.registry import REMOVED, policy_class, policy_names
 from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
-__all__ = ["MAX_RANK", "SECTIONS", "SEED_LIMIT", "SYNC_MODES", "EDGCConfig", "pipeline_refusal",
-           "upgrade_config_v1"]
+__all__ = ["MAX_RANK", "SECTIONS", "SEED_LIMIT", "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig",
+           "pipeline_refusal", "upgrade_config_v1"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
 SYNC_MODES = ("pipelined", "whole-step")
+#: The formats the low-rank factors travel in (EDGCConfig.wire; edgc.comm.wire).
+WIRE_FORMATS = ("native", "bf16", "int8", "fp8")
+#: The dtype the error feedback and Q are kept in between steps (EDGCConfig.state_dtype).
+STATE_DTYPES = ("native", "bf16")
 
 #: The largest rank any config takes (max_rank, min_rank, a run's rank): above every
 #: matrix side of the presets (the widest: GPT-2's 50257-token embedding), and small
@@ -66,7 +72,7 @@ class EDGCConfig:
     #: "policy" takes the names in the registry (edgc.policy.registry), checked apart.
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "entropy_estimator": ESTIMATORS, "warmup": WARMUP_MODES, "warmup_error_norm": WARMUP_ERROR_NORMS,
-        "sync_mode": SYNC_MODES,
+        "sync_mode": SYNC_MODES, "wire": WIRE_FORMATS, "state_dtype": STATE_DTYPES,
     }
 
     policy: str = "noise"
@@ -174,6 +180,18 @@ class EDGCConfig:
     the float order of the sums, so a resumed run may change it. A finite number >= 0;
     "whole-step" ignores it."""
 
+    wire: str = "native"
+    """The format the low-rank factors P and Q travel in (edgc.comm.wire): "native" (the
+    gradient's own dtype), "bf16", "int8" or "fp8" (one byte an element, with a float32
+    scale per block of 128, summed by a reduce-scatter and an all-gather). Tensors sent
+    whole always travel in their own dtype; the error feedback keeps what the rounding
+    loses. docs/config.md says which to choose."""
+
+    state_dtype: str = "native"
+    """The dtype the error feedback and the warm-start Q are kept in between steps:
+    "native" (the working dtype: float32 for float32, bf16 and fp16 gradients) or "bf16"
+    (half the memory; the arithmetic still runs in the working dtype)."""
+
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     """The "noise" policy's parameters (edgc.policy.noise)."""
 
@@ -256,6 +274,8 @@ class EDGCConfig:
             bad("min_compression_rate", "must be a non-negative number")
         if self.min_unit_mb < 0:
             bad("min_unit_mb", "must be a non-negative number (MB)")
+        if self.wire == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+            bad("wire", f"needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; use \"int8\"")
         if not 0 <= self.seed < SEED_LIMIT:
             bad("seed", "must be an integer in [0, 2**32)")
 
@@ -312,7 +332,8 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
 #: What a config saved by edgc 0.1 ran with where it lacks a key: fields added during
 #: 0.1 had no effect before they existed ("whole-step" was the only sync mode, and the
 #: warm-up was fixed).
-_V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False}
+_V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False,
+                                "wire": "native", "state_dtype": "native"}
 #: edgc 0.1's flat names whose 0.2 name differs (the rest keep theirs: noise_exponent, ...).
 _V1_RENAMED = {"lr_drop_factor": "critical_lr_drop_factor", "entropy_smoothing": "cqm_smoothing",
                "rank_schedule": "schedule_ranks"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.timing import LapSum, start_lap
+from edgc.comm.wire import Codec, quantized_bytes, quantized_sum
 
 __all__ = ["Collectives", "Issued"]
 
@@ -42,11 +44,13 @@ _RECENT_WORKS = 256
 
 @dataclass
 class Issued:
-    """An issued collective: its work handle (None: already done) and, for a CPU tensor
-    reduced on the device, (device copy, CPU tensor) to copy back after the wait."""
+    """An issued collective: its work handle (None: already done); for a CPU tensor
+    reduced on the device, (device copy, CPU tensor) to copy back after the wait; for the
+    first half of a quantized sum, the function that completes it after the wait."""
 
     work: Any
     back: tuple[torch.Tensor, torch.Tensor] | None = None
+    then: Callable[[], Any] | None = None
 
 
 class Collectives:
@@ -189,6 +193,18 @@ class Collectives:
         self.comm.add(lap.stop())
         return Issued(None)
 
+    def quantized_sum(self, flat: torch.Tensor, code: Codec) -> Issued:
+        """Start summing `flat` over the process group in the one-byte format `code`
+        (edgc.comm.wire): its reduce-scatter is issued now, its all-gather at the wait.
+        Counts the quantized bytes as sent."""
+        world = self.world_size
+        if world == 1:
+            return Issued(None)
+        work, finish = quantized_sum(flat, code, self._process_group, world)
+        self.bytes_sent += quantized_bytes(flat.numel(), world)
+        self.recent_works.append(work)
+        return Issued(work, then=finish)
+
     def wait(self, issued: list[Issued], step_comm: LapSum | None = None) -> None:
         """Wait for async collectives; the time spent waiting counts once as communication
         (in the pipelined mode, that is the part not hidden behind the backward pass; on
@@ -199,6 +215,9 @@ class Collectives:
         lap = start_lap(self.device)
         for i in pending:
             i.work.wait()
+        for i in pending:
+            if i.then is not None:  # (a quantized sum's all-gather, issued and waited for here)
+                self.recent_works.append(i.then())
         lap.stop()
         self.comm.add(lap)
         if step_comm is not None:

@@ -9,7 +9,9 @@ checkpoint and resume.
 Groups. Once compression starts, the compressible matrices are grouped by shape and
 dtype (edgc.comm.units.Group), each group with its warm-start Q, replica-identical, and
 its error feedback, this replica's own. Both are held in the working dtype (float32 for
-half-precision gradients). The generator that draws Q is seeded alike on every replica.
+half-precision gradients), or in bf16 with EDGCConfig.state_dtype "bf16" (the step still
+works in the working dtype, and rounds the new values as it keeps them). The generator
+that draws Q is seeded alike on every replica.
 
 The plan. `units` is DDP's bucket layout of the last step that had several buckets, as
 slots (edgc.comm.step, "The plan"); kept in checkpoints so that a resumed job cuts its
@@ -42,8 +44,10 @@ Entry = tuple[Hashable, tuple[int, ...]]
 class CompressionState:
     """Slots, groups (Q and error feedback), the generator and the plan of units."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, state_dtype: str = "native") -> None:
+        """`state_dtype`: EDGCConfig.state_dtype, the dtype Q and the error feedback are kept in."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.state_dtype = state_dtype
         self.groups: dict[tuple[int, int, str], Group] = {}  # by (m, n, dtype)
         self.uncompressed_slots: list[int] = []
         self.slot_shapes: list[tuple[int, ...]] = []
@@ -177,12 +181,16 @@ class CompressionState:
         self._unit_plans = {}
         for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
             slots = members[(m, n, dtype)]
-            work = working_dtype(dtype)
-            q = draw_q(len(slots), n, min(rank, m, n), self.generator, dtype=work, device=device)
-            error = torch.zeros((len(slots), m, n), dtype=work, device=device) if error_feedback else None
+            kept = self.kept_dtype(dtype)
+            q = draw_q(len(slots), n, min(rank, m, n), self.generator, dtype=kept, device=device)
+            error = torch.zeros((len(slots), m, n), dtype=kept, device=device) if error_feedback else None
             group = Group((m, n), slots, q, error, dtype)
             self.groups[group.key] = group
         return self.matrix_shapes()
+
+    def kept_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype Q and the error feedback of gradients in `dtype` are kept in."""
+        return torch.bfloat16 if self.state_dtype == "bf16" else working_dtype(dtype)
 
     def matrix_shapes(self) -> list[tuple[int, int]]:
         """The (m, n) of every compressed matrix, group by group."""
@@ -194,9 +202,9 @@ class CompressionState:
         for g in self.pending_groups or []:
             device, dtype = devices[g["slots"][0]], dtypes[g["slots"][0]]
             shape = (int(g["shape"][0]), int(g["shape"][1]))
-            work = working_dtype(dtype)
-            error = None if g["error"] is None else g["error"].to(device=device, dtype=work)
-            group = Group(shape, list(g["slots"]), g["q"].to(device=device, dtype=work), error, dtype)
+            kept = self.kept_dtype(dtype)
+            error = None if g["error"] is None else g["error"].to(device=device, dtype=kept)
+            group = Group(shape, list(g["slots"]), g["q"].to(device=device, dtype=kept), error, dtype)
             self.groups[group.key] = group
         self.pending_groups = None
         self._unit_plans = {}

@@ -16,7 +16,10 @@ collectives per gradient dtype in flight at a time:
                -> all-reduce SUM of Q
     complete   wait; Q /= W; G = P Q^T; error = M - P Q^T
 
-(a step sent uncompressed has one all-reduce per unit, completed like a Q). A unit's
+(a step sent uncompressed has one all-reduce per unit, completed like a Q). With a
+quantized wire format (EDGCConfig.wire, edgc.comm.wire) the sums of P and Q are each a
+reduce-scatter issued where the all-reduce would be and an all-gather issued at its wait;
+everything else is unchanged. A unit's
 arithmetic reads only its own slots, so how the gradient is cut into units changes the
 average only through the float order of the sums.
 
@@ -54,8 +57,8 @@ and at low rank a bucket's P and Q are small, so a step of many buckets can spen
 latency than on bytes. With a threshold, the step's units are the plan's units merged, in
 plan order, until each puts at least min_unit_mb MB on the wire in this step
 (`coarse_units`, with each slot's bytes from `slot_wire_bytes`: (m + n) r elements for a
-compressed matrix at its group's rank, every element of a tensor sent whole, at the
-gradient's element size). A remainder below the threshold at the end joins the unit
+compressed matrix at its group's rank, in the wire format, and every element of a tensor
+sent whole, at the gradient's element size). A remainder below the threshold at the end joins the unit
 before it, or is the step's one unit when there is no other. The cut depends only on the
 plan, on the step's groups and ranks and on the threshold, all replica-identical, so
 every replica cuts alike; it is made afresh each step, as ranks move. The plan kept in
@@ -90,7 +93,7 @@ hook's arithmetic runs on the current stream, with no side stream and so no even
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,12 +107,13 @@ from edgc.comm.units import (
     PartPlan,
     UnitPlan,
     coarse_units,
-    dtype_order,
+    factor_buffers,
     flatten_by_dtype,
     scatter,
     slot_wire_bytes,
     working_dtype,
 )
+from edgc.comm.wire import codec
 from edgc.compress import (
     compressible,
     error_feedback_,
@@ -226,6 +230,8 @@ class StepSync:
         self.config = config
         self.eager = eager
         self.whole = config.sync_mode == "whole-step" and not eager
+        self.wire = config.wire
+        self.code = codec(config.wire)  # (None: the factors are all-reduced in a float dtype)
         self.device = collectives.device
         self.call = 0
         self.buckets: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] = []
@@ -244,7 +250,7 @@ class StepSync:
         plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
         self.units: list[tuple[int, ...]] = [] if (self.whole or not plan) else list(plan)
         if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
-            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups)
+            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, config.wire)
             self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
         self.bucket_units = not self.whole and not plan  # the buckets are the units
         # eager: the warm-up check's sums over the local gradient, buffer by buffer
@@ -394,7 +400,7 @@ class StepSync:
         r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed))
         r.parts = [self._project_p(part) for part in plan.parts]
         if r.parts:
-            r.p_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[0], self.device)
+            r.p_flats, works, sends = _factor_buffers(r.parts, 0, self.device, self.wire)
             for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
                 project_p(part.m, part.q_in, out=p)
@@ -403,7 +409,7 @@ class StepSync:
         # collectives: all-reduce SUM of the unit's uncompressed tensors (numel * element_size
         # bytes), then of its P ((m*r) per matrix), one buffer per dtype each
         r.works = [self.collectives.all_reduce(flat, async_op=True) for flat, _ in r.flats]
-        r.works += [self.collectives.all_reduce(flat, async_op=True) for flat in r.p_flats]
+        r.works += [self._sum_factor(flat) for flat in r.p_flats]
         return r
 
     def _project_p(self, part: PartPlan) -> _Part:
@@ -417,7 +423,7 @@ class StepSync:
         else:
             if part.column not in self.next_error:
                 self.next_error[part.column] = torch.empty_like(g.error)
-            if isinstance(index, slice):
+            if _in_place(part, g):
                 m = self.next_error[part.column][index]  # (B', m, n), a view
                 torch.stack(views, out=m)
             else:
@@ -425,7 +431,13 @@ class StepSync:
             old = g.error[index] if isinstance(index, slice) else g.error.index_select(0, index)
             m.add_(old, alpha=info.scale)  # (the residual is kept unscaled)
         q_in = g.q[index] if isinstance(index, slice) else g.q.index_select(0, index)
-        return _Part(part, m, q_in)
+        return _Part(part, m, q_in.to(work))  # (Q kept in bf16: worked on in the working dtype)
+
+    def _sum_factor(self, flat: torch.Tensor) -> Issued:
+        """Issue the sum of a factor buffer over the replicas, in the wire format."""
+        if self.code is None:
+            return self.collectives.all_reduce(flat, async_op=True)
+        return self.collectives.quantized_sum(flat, self.code)
 
     def _finish_p(self, r: _Round) -> None:
         """Wait for a unit's P; orthogonalise it, project Q and issue Q's all-reduce."""
@@ -437,7 +449,7 @@ class StepSync:
             if part.p_send is not part.p:
                 part.p.copy_(part.p_send)  # the sum, as it arrived
             orthogonalize_(part.p)
-        r.q_flats, works, sends = _factor_buffers(r.parts, lambda g: g.shape[1], self.device)
+        r.q_flats, works, sends = _factor_buffers(r.parts, 1, self.device, self.wire)
         for part, q, send in zip(r.parts, works, sends, strict=True):
             part.q, part.q_send = q, send
             assert part.p is not None
@@ -445,7 +457,7 @@ class StepSync:
             if send is not q:
                 send.copy_(q)
         # collectives: all-reduce SUM of the unit's Q ((n*r) per matrix), one buffer per dtype
-        r.works = [self.collectives.all_reduce(flat, async_op=True) for flat in r.q_flats]
+        r.works = [self._sum_factor(flat) for flat in r.q_flats]
         r.call = self.call
         self.in_q.append(r)
 
@@ -470,14 +482,11 @@ class StepSync:
                 error_feedback_(part.m, m_hat)
                 if info.scale != 1.0:
                     part.m.div_(info.scale)
-                if not isinstance(index, slice):
-                    self.next_error[part.plan.column].index_copy_(0, index, part.m)
+                if not _in_place(part.plan, g):
+                    _put(self.next_error[part.plan.column], index, part.m)
             if part.plan.column not in self.next_q:
                 self.next_q[part.plan.column] = torch.empty_like(g.q)
-            if isinstance(index, slice):
-                self.next_q[part.plan.column][index] = part.q
-            else:
-                self.next_q[part.plan.column].index_copy_(0, index, part.q)
+            _put(self.next_q[part.plan.column], index, part.q)
         for flat, slots in r.flats:
             flat.div_(world)
             scatter(flat, [self.grads[s] for s in slots])
@@ -551,24 +560,23 @@ class StepSync:
         return True
 
 
-def _factor_buffers(
-    parts: list[_Part], rows: Callable[[Group], int], device: torch.device | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Flat wire buffers (one per dtype, in dtype order) for one factor of every part,
-    whose matrices have `rows(group)` rows; returns (flats, working views, wire views).
+def _in_place(part: PartPlan, g: Group) -> bool:
+    """Whether a part's M is computed where its group's new error feedback lives: its
+    positions in the group are consecutive and the error is kept in the working dtype."""
+    return isinstance(part.index, slice) and g.error is not None and g.error.dtype == working_dtype(g.dtype)
 
-    Where a group works in its wire dtype, its working view is its wire view (no copy).
-    """
-    groups = [part.plan.group for part in parts]
-    flats, wire = [], {}  # wire: part -> its wire view
-    for dtype in dtype_order(g.dtype for g in groups):
-        members = [i for i, g in enumerate(groups) if g.dtype == dtype]
-        shapes = [(len(parts[i].plan.slots), rows(groups[i]), parts[i].q_in.shape[-1]) for i in members]
-        flat = torch.empty(sum(b * n * r for b, n, r in shapes), dtype=dtype, device=device)
-        for i, view, shape in zip(members, flat.split([b * n * r for b, n, r in shapes]), shapes, strict=True):
-            wire[i] = view.view(shape)  # (B', rows, r)
-        flats.append(flat)
-    sends = [wire[i] for i in range(len(parts))]
-    works = [send if working_dtype(g.dtype) == g.dtype else torch.empty_like(send, dtype=working_dtype(g.dtype))
-             for g, send in zip(groups, sends, strict=True)]
-    return flats, works, sends
+
+def _put(into: torch.Tensor, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+    """into[index] = values, in `into`'s dtype (bf16 state: rounded here)."""
+    if isinstance(index, slice):
+        into[index] = values
+    else:
+        into.index_copy_(0, index, values.to(into.dtype))
+
+
+def _factor_buffers(parts: list[_Part], side: int, device: torch.device | None, wire: str
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The buffers of P (`side` 0: m rows a matrix) or Q (1: n rows) of every part
+    (edgc.comm.units.factor_buffers)."""
+    shapes = [(len(p.plan.slots), p.plan.group.shape[side], p.q_in.shape[-1]) for p in parts]
+    return factor_buffers([p.plan.group for p in parts], shapes, device, wire)

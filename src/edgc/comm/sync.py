@@ -108,7 +108,7 @@ class GradientSync:
         self.alignment = alignment  # a pipeline stage's DAC, or None outside a pipeline
         # the parts, each owning one role
         self.collectives = Collectives(process_group, control_group)
-        self.compression = CompressionState(config.seed)
+        self.compression = CompressionState(config.seed, config.state_dtype)
         self.policy = make_policy(config)
         self.gate = WarmupGate(config.warmup, config.warmup_steps, config.window, config.warmup_max_error,
                                sample_stride(config.iteration_sample_rate))

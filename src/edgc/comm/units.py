@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "flatten_by_dtype", "scatter", "slot_wire_bytes",
-           "unit_plan", "working_dtype"]
+from edgc.comm.wire import wire_bytes
+
+__all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "factor_buffers", "flatten_by_dtype", "scatter",
+           "slot_wire_bytes", "unit_plan", "working_dtype"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -67,15 +69,15 @@ def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
 
 
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
-                    groups: Sequence[Group]) -> list[int]:
+                    groups: Sequence[Group], wire: str = "native") -> list[int]:
     """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
-    of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], and numel
-    elements for any other slot, at the element size of the slot's gradient dtype.
-    `groups` empty: a step sent uncompressed."""
+    of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], in wire format
+    `wire` (edgc.comm.wire.wire_bytes), and numel elements at the element size of the
+    slot's gradient dtype for any other slot. `groups` empty: a step sent uncompressed."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
     for g in groups:
         for s in g.slots:
-            sizes[s] = sum(g.shape) * g.q.shape[-1] * g.dtype.itemsize
+            sizes[s] = wire_bytes(sum(g.shape) * g.q.shape[-1], g.dtype.itemsize, wire)
     return sizes
 
 
@@ -137,3 +139,37 @@ def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.de
         index = slice(pos[0], pos[-1] + 1) if consecutive else torch.tensor(pos, dtype=torch.long, device=device)
         parts.append(PartPlan(groups[c], c, index, [groups[c].slots[p] for p in pos]))
     return UnitPlan(ordered, [s for s in ordered if s not in where], parts)
+
+
+def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int]], device: torch.device | None,
+                   wire: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Flat buffers to send (one per dtype, in dtype order) for one factor of the
+    matrices of several groups, `shapes[i]` = (matrices, rows, rank) of group i's share,
+    in wire format `wire`; returns (flats, working views, views to send), one view per group.
+
+    The buffers are in the dtype that travels ("native": the gradient's; "bf16"), or in
+    the working dtype for a quantized format, which quantizes as it sends. Where a group
+    works in that dtype, its working view is its view to send (no copy).
+    """
+    kinds = [_send_dtype(g.dtype, wire) for g in groups]
+    flats, sent = [], {}  # sent: group's position -> its view to send
+    for dtype in dtype_order(kinds):
+        members = [i for i, k in enumerate(kinds) if k == dtype]
+        sizes = [math.prod(shapes[i]) for i in members]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        for i, view in zip(members, flat.split(sizes), strict=True):
+            sent[i] = view.view(shapes[i])
+        flats.append(flat)
+    sends = [sent[i] for i in range(len(groups))]
+    works = [send if working_dtype(g.dtype) == send.dtype else torch.empty_like(send, dtype=working_dtype(g.dtype))
+             for g, send in zip(groups, sends, strict=True)]
+    return flats, works, sends
+
+
+def _send_dtype(dtype: torch.dtype, wire: str) -> torch.dtype:
+    """The dtype of a factor buffer of gradients in `dtype` for wire format `wire`."""
+    if wire == "native":
+        return dtype
+    if wire == "bf16":
+        return torch.bfloat16
+    return working_dtype(dtype)  # (int8, fp8: quantized as it is sent)

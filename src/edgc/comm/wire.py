@@ -1,0 +1,160 @@
+"""The wire format of the low-rank factors P and Q (EDGCConfig.wire), and the quantized sum.
+
+Formats:
+- "native": the factors travel in the gradient's own dtype (float32 gradients: 4 bytes an
+  element; bf16 or fp16 gradients: 2), summed by one all-reduce.
+- "bf16": the factors are rounded to bfloat16 and summed by one all-reduce (2 bytes).
+- "int8", "fp8": the factors are quantized to one byte an element, in blocks of
+  `BLOCK` consecutive elements with one float32 scale each (absmax / 127 for int8's
+  round-to-nearest codes, absmax / 448 for float8 e4m3's), and summed as quantized
+  all-reduces are built, in two collectives:
+
+      reduce-scatter  each replica quantizes its whole buffer and sends chunk j of it to
+                      replica j (all-to-all); replica j dequantizes the W pieces of its
+                      chunk and sums them in the working dtype (no overflow: nothing is
+                      added in one byte)
+      all-gather      replica j quantizes its summed chunk once more and every replica
+                      gathers every chunk, then dequantizes them
+
+  Each element is rounded twice, once as a replica's own value and once as the sum, and
+  never summed while rounded. Every replica dequantizes the same gathered bytes, so the
+  sum is bit-identical on all of them. The wire then carries (1 + 4 / BLOCK) bytes an
+  element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
+  buffer of that many bytes would.
+
+Only the factors change format. Tensors sent whole (biases, norms, any matrix too small
+to compress, and every tensor of an uncompressed step) travel in their own dtype. The
+error feedback absorbs what the rounding loses: it is M minus the reconstruction from the
+factors as they arrived, summed and dequantized (edgc.comm.step), so what was sent plus
+what is kept equals the input, in any format.
+
+A sum that is inf or nan stays so: a block holding one has a non-finite scale, which makes
+every element of the block non-finite when dequantized, on every replica, so the step's
+finiteness check sees it as it would see a full-precision sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BLOCK", "Codec", "codec", "dequantize", "quantize", "quantized_bytes", "quantized_sum",
+           "wire_bytes"]
+
+#: Elements per scale of a quantized buffer.
+BLOCK = 128
+
+#: float8 e4m3 (no infinities) where this torch has it.
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A one-byte code: its dtype and the largest magnitude it holds."""
+
+    name: str
+    dtype: torch.dtype
+    limit: float
+
+
+def codec(wire: str) -> Codec | None:
+    """The codec of a quantized wire format ("int8", "fp8"); None for the others. Raises
+    ValueError for "fp8" on a torch without float8_e4m3fn."""
+    if wire == "int8":
+        return Codec("int8", torch.int8, 127.0)
+    if wire == "fp8":
+        if _FP8 is None:
+            raise ValueError(f"wire='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; "
+                             "use wire='int8'")
+        return Codec("fp8", _FP8, 448.0)
+    return None
+
+
+def wire_bytes(numel: int, element_size: int, wire: str) -> int:
+    """The bytes a factor buffer of `numel` elements in a gradient dtype of `element_size`
+    bytes puts on the wire in format `wire` (as edgc counts bytes: the buffer handed to an
+    all-reduce, or its quantized equivalent)."""
+    if wire in ("int8", "fp8"):
+        return numel + 4 * math.ceil(numel / BLOCK)
+    if wire == "bf16":
+        return 2 * numel
+    return element_size * numel
+
+
+def _chunk(numel: int, world: int) -> int:
+    """Elements of each replica's chunk of a quantized sum of `numel` elements (the buffer
+    is padded with zeros to `world` such chunks)."""
+    return math.ceil(numel / world)
+
+
+def _row_bytes(numel: int) -> int:
+    """The bytes `quantize` makes of `numel` elements: a code each, a float32 scale a block."""
+    return numel + 4 * math.ceil(numel / BLOCK)
+
+
+def quantized_bytes(numel: int, world: int) -> int:
+    """The bytes a quantized sum of `numel` elements over `world` replicas hands over:
+    every chunk's codes and scales (what edgc counts as sent)."""
+    return world * _row_bytes(_chunk(numel, world))
+
+
+def quantize(x: torch.Tensor, code: Codec) -> torch.Tensor:
+    """`x` (1-D) as bytes: its codes, then one float32 scale per block of BLOCK elements
+    (the last block may be short), in one uint8 tensor of `_row_bytes(len(x))` bytes."""
+    n = x.numel()
+    blocks = torch.nn.functional.pad(x, (0, -n % BLOCK)).view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(absmax > 0, absmax / code.limit, torch.ones_like(absmax))
+    scaled = blocks.float() / scale
+    if code.dtype == torch.int8:
+        codes = scaled.round_().clamp_(-code.limit, code.limit).to(torch.int8)
+    else:
+        codes = scaled.to(code.dtype)
+    return torch.cat([codes.view(torch.uint8).reshape(-1)[:n], scale.reshape(-1).view(torch.uint8)])
+
+
+def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype) -> torch.Tensor:
+    """The `numel` values `quantize` wrote into the bytes `data` (1-D), in `dtype`."""
+    scale = data[numel:].clone().view(torch.float32)  # (copied: a view needs 4-byte alignment)
+    scale = scale.to(dtype).repeat_interleave(BLOCK)[:numel]
+    return data[:numel].view(code.dtype).to(dtype) * scale
+
+
+def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None, world: int
+                  ) -> tuple[object, Callable[[], object]]:
+    """Start summing `flat` (1-D, floating) over `group` of `world` replicas in quantized
+    form: issue the reduce-scatter's all-to-all. Returns its work handle and a function
+    that, after the handle's wait, sums this replica's chunk, all-gathers the chunks
+    (waiting for it) and writes the sum into `flat`; it returns the all-gather's handle."""
+    n = flat.numel()
+    chunk = _chunk(n, world)  # elements per replica's chunk
+    padded = torch.nn.functional.pad(flat, (0, world * chunk - n))
+    row = _row_bytes(chunk)  # one chunk's bytes (codes and scales)
+    send = torch.cat([quantize(piece, code) for piece in padded.split(chunk)])
+    recv = torch.empty_like(send)
+    # collective: all-to-all of (1 + 4 / BLOCK) bytes per element: chunk j to replica j
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+    def finish() -> object:
+        pieces = recv.view(world, row)
+        mine = dequantize(pieces[0], chunk, code, flat.dtype)
+        for j in range(1, world):  # (in replica order: the same float order on every replica)
+            mine += dequantize(pieces[j], chunk, code, flat.dtype)
+        gathered = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
+        # collective: all-gather of every replica's summed chunk, quantized again
+        done = _all_gather(gathered, quantize(mine, code), group)
+        done.wait()
+        flat.copy_(torch.cat([dequantize(p, chunk, code, flat.dtype) for p in gathered.view(world, row)])[:n])
+        return done
+
+    return work, finish
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (renamed in torch 2.13)
+    return gather(out, x, group=group, async_op=True)

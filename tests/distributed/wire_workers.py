@@ -1,0 +1,46 @@
+"""Workers for the wire-format tests (test_wire.py): what one replica sends and keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc.comm.buckets import sync_with_hook
+
+# distinct shapes, so that each compressed group holds one parameter
+SHAPES = ((24, 16), (16, 10), (12, 30), (9,))
+
+
+def error_feedback_invariant(rank: int, world: int, wire: str, state_dtype: str, steps: int) -> dict:
+    """Float64 parameters synchronised through edgc_hook at a fixed rank in format `wire`.
+    At every compressed step, for every compressed matrix: what was sent (the average
+    handed back) plus what this replica kept (its new error feedback) against its own
+    gradient plus what it kept before. Returns the worst difference, relative to the
+    largest input, the steps checked, the averages sent and the bytes."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in SHAPES]
+    config = EDGCConfig(policy="static", max_rank=3, warmup="fixed", warmup_steps=1, min_compression_rate=1.0,
+                        wire=wire, state_dtype=state_dtype)
+    state = EDGCState(None, config)
+    by_shape = {tuple(p.shape) if p.dim() == 2 else None: p for p in params}
+    worst, checked, sent = 0.0, 0, []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64) * (1 + rank)
+        local = {k: p.grad.clone() for k, p in by_shape.items() if k is not None}
+        kept = {g.shape: g.error[0].double().clone() for g in state.sync.compression.groups.values()
+                if g.error is not None}
+        sync_with_hook(params, state, edgc_hook, cap_bytes=1500)
+        if state.stats().step_rank == 0:
+            continue
+        checked += 1
+        for group in state.sync.compression.groups.values():
+            assert group.error is not None
+            m = local[group.shape] + kept.get(group.shape, torch.zeros(group.shape, dtype=torch.float64))
+            average = by_shape[group.shape].grad
+            now_kept = group.error[0].double()
+            worst = max(worst, float((average + now_kept - m).abs().max() / m.abs().max()))
+            sent.append(average.clone())
+    return {"worst": worst, "checked": checked, "sent": sent, "bytes": state.stats().bytes_sent,
+            "params": torch.cat([p.detach().reshape(-1) for p in params])}
