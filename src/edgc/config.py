@@ -187,6 +187,13 @@ class EDGCConfig:
     whole always travel in their own dtype; the error feedback keeps what the rounding
     loses. docs/config.md says which to choose."""
 
+    alternate: bool = False
+    """One round trip per compressed step instead of two (after ACP-SGD): each step
+    computes one factor against the other, kept from the step before and
+    orthonormalised (P = M Q on one step, Q = M^T P on the next) and sums only it, so a
+    step sends about half the bytes in one collective instead of two. The error feedback
+    keeps what each step's reconstruction leaves out. Needs warm_start."""
+
     state_dtype: str = "native"
     """The dtype the error feedback and the warm-start Q are kept in between steps:
     "native" (the working dtype: float32 for float32, bf16 and fp16 gradients) or "bf16"
@@ -274,6 +281,8 @@ class EDGCConfig:
             bad("min_compression_rate", "must be a non-negative number")
         if self.min_unit_mb < 0:
             bad("min_unit_mb", "must be a non-negative number (MB)")
+        if self.alternate and not self.warm_start:
+            bad("alternate", "needs warm_start=True: each step projects on the factor the step before kept")
         if self.wire == "fp8" and not hasattr(torch, "float8_e4m3fn"):
             bad("wire", f"needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; use \"int8\"")
         if not 0 <= self.seed < SEED_LIMIT:
@@ -333,7 +342,7 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
 #: 0.1 had no effect before they existed ("whole-step" was the only sync mode, and the
 #: warm-up was fixed).
 _V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False,
-                                "wire": "native", "state_dtype": "native"}
+                                "wire": "native", "state_dtype": "native", "alternate": False}
 #: edgc 0.1's flat names whose 0.2 name differs (the rest keep theirs: noise_exponent, ...).
 _V1_RENAMED = {"lr_drop_factor": "critical_lr_drop_factor", "entropy_smoothing": "cqm_smoothing",
                "rank_schedule": "schedule_ranks"}

@@ -57,6 +57,7 @@ class CompressionState:
         self._unit_plans: dict[tuple[bool, tuple[int, ...]], UnitPlan] = {}
         self._sample_at: tuple[float, list[int], torch.dtype] | None = None
         self.residual_pending = False  # the error feedback may hold a residual not yet sent
+        self.p_next = True  # alternating (EDGCConfig.alternate): the next compressed step computes P
         # a loaded state, until the tensors are seen: the shapes to check and the groups to restore
         self.expected_shapes: list[tuple[int, ...]] | None = None
         self.pending_groups: list[dict[str, Any]] | None = None
@@ -178,6 +179,7 @@ class CompressionState:
                 self.uncompressed_slots.append(s)
         device = grads[0].device
         self.groups = {}
+        self.p_next = True
         self._unit_plans = {}
         for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
             slots = members[(m, n, dtype)]
@@ -205,6 +207,8 @@ class CompressionState:
             kept = self.kept_dtype(dtype)
             error = None if g["error"] is None else g["error"].to(device=device, dtype=kept)
             group = Group(shape, list(g["slots"]), g["q"].to(device=device, dtype=kept), error, dtype)
+            if g.get("p") is not None:
+                group.p = g["p"].to(device=device, dtype=kept)
             self.groups[group.key] = group
         self.pending_groups = None
         self._unit_plans = {}
@@ -213,6 +217,8 @@ class CompressionState:
         """Resize every group's Q to `rank` (capped by the matrix), keeping the warm start."""
         for g in self.groups.values():
             g.q = resize_q(g.q, min(rank, *g.shape), self.generator)
+            if g.p is not None:  # (alternating: the kept P alike; new columns random)
+                g.p = resize_q(g.p, min(rank, *g.shape), self.generator)
 
     def redraw_q(self) -> None:
         """A fresh random Q for every group (EDGCConfig.warm_start off)."""
@@ -235,19 +241,24 @@ class CompressionState:
             g.error.zero_()
 
     def commit(self, next_error: Mapping[int, torch.Tensor], next_q: Mapping[int, torch.Tensor],
-               dead: Sequence[torch.Tensor], dead_counts: Sequence[int]) -> None:
-        """Keep a finite compressed step's new error feedback and Q (by group column), and
-        redraw the all-zero Q matrices (`dead`, (B,) masks, `dead_counts` of them), which
-        would stay zero forever. Q is replica-identical after its all-reduce, so every
-        replica redraws the same ones."""
+               dead: Sequence[torch.Tensor], dead_counts: Sequence[int],
+               next_p: Mapping[int, torch.Tensor] | None = None) -> None:
+        """Keep a finite compressed step's new error feedback and Q (and, alternating, P)
+        by group column, and redraw the all-zero Q matrices (`dead`, (B,) masks,
+        `dead_counts` of them), which would stay zero forever. Q is replica-identical after
+        its all-reduce, so every replica redraws the same ones."""
         for c, g in enumerate(self.groups.values()):
             if g.error is not None:
                 g.error = next_error[c]
             g.q = next_q[c]
+            if next_p is not None:
+                g.p = next_p[c]
             if dead_counts[c]:
                 g.q[dead[c]] = draw_q(dead_counts[c], g.q.shape[1], g.q.shape[2], self.generator, dtype=g.q.dtype,
                                       device=g.q.device)
         self.residual_pending = True
+        if next_p is not None:
+            self.p_next = not self.p_next
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -264,11 +275,13 @@ class CompressionState:
                     "slots": list(g.slots),
                     "q": g.q.detach().cpu().clone(),
                     "error": None if g.error is None else g.error.detach().cpu().clone(),
+                    "p": None if g.p is None else g.p.detach().cpu().clone(),
                 }
                 for g in self.groups.values()
             ],
             "generator": self.generator.get_state(),
             "residual_pending": self.residual_pending,
+            "p_next": self.p_next,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -282,6 +295,7 @@ class CompressionState:
         self.pending_groups = d["groups"]
         self.generator.set_state(d["generator"])
         self.residual_pending = bool(d["residual_pending"])
+        self.p_next = bool(d.get("p_next", True))  # (absent before the alternating mode)
 
     def restore_declared(self, device: torch.device) -> None:
         """Eager adapters, at the first step: the loaded groups on `device`, in the dtype

@@ -101,6 +101,7 @@ import torch
 
 from edgc.comm.collectives import Collectives, Issued
 from edgc.comm.compression import CompressionState, Entry
+from edgc.comm.control import ENTROPY, add_error_sums, control_values
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.comm.units import (
     Group,
@@ -114,34 +115,10 @@ from edgc.comm.units import (
     working_dtype,
 )
 from edgc.comm.wire import codec
-from edgc.compress import (
-    compressible,
-    error_feedback_,
-    lowrank_error_sums,
-    lowrank_errors_from_sums,
-    lowrank_l1_error,
-    orthogonalize_,
-    project_p,
-    project_q,
-    reconstruct,
-    relative_lowrank_error,
-)
-from edgc.entropy import estimate_entropy, sample_into
+from edgc.compress import compressible, error_feedback_, orthogonalize_, project_p, project_q, reconstruct
+from edgc.entropy import sample_into
 
-__all__ = ["CONTROL_LEN", "ENTROPY", "EPS_MAX", "EPS_MIN", "GRAD_SQ", "LR_DROP", "NONFINITE", "StepInfo", "StepResult",
-           "StepSync"]
-
-# Layout of the per-step control vector (float64, all-reduced with SUM; every entry from
-# ENTROPY on is then divided by the control group's size, a mean over replicas):
-# NONFINITE  replicas whose local gradient had inf/nan (sampled steps, warm-up checks)
-# ENTROPY    the entropy of the local gradient's GDS sample (sampled steps)
-# EPS_MIN, EPS_MAX  the warm-up error check's errors at r_min and r_max
-# GRAD_SQ    ||g_i||², the squared norm of the local gradient's sample: its mean is |G_small|²
-#            of the noise scale (sampled steps, world > 1; edgc.comm.windowgrad)
-# LR_DROP    1 where this replica saw the learning rate drop in the window (window ends of
-#            a policy that reads the learning rate): above 0 after the sum where any replica did
-NONFINITE, ENTROPY, EPS_MIN, EPS_MAX, GRAD_SQ, LR_DROP, CONTROL_LEN = 0, 1, 2, 3, 4, 5, 6
-
+__all__ = ["StepInfo", "StepResult", "StepSync"]
 
 @dataclass
 class StepInfo:
@@ -194,7 +171,8 @@ class _Part:
 
     plan: PartPlan
     m: torch.Tensor  # (B', m, n) M = G + error, then the new error; working dtype
-    q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on
+    q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on (alternating, P's step: orthonormal)
+    p_in: torch.Tensor | None = None  # (B', m, r) alternating, Q's step: the kept P, orthonormal
     p: torch.Tensor | None = None  # (B', m, r) working dtype
     p_send: torch.Tensor | None = None  # the same on the wire (a view of the unit's P buffer)
     q: torch.Tensor | None = None  # (B', n, r)
@@ -232,6 +210,9 @@ class StepSync:
         self.whole = config.sync_mode == "whole-step" and not eager
         self.wire = config.wire
         self.code = codec(config.wire)  # (None: the factors are all-reduced in a float dtype)
+        # alternating (EDGCConfig.alternate): which factor this step computes and sums,
+        # 0: P (against the kept Q), 1: Q (against the kept P); None: both, in two rounds
+        self.side = (0 if compression.p_next else 1) if config.alternate and info.compressed else None
         self.device = collectives.device
         self.call = 0
         self.buckets: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] = []
@@ -250,7 +231,7 @@ class StepSync:
         plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
         self.units: list[tuple[int, ...]] = [] if (self.whole or not plan) else list(plan)
         if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
-            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, config.wire)
+            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, config.wire, self.side)
             self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
         self.bucket_units = not self.whole and not plan  # the buckets are the units
         # eager: the warm-up check's sums over the local gradient, buffer by buffer
@@ -270,6 +251,7 @@ class StepSync:
                 self.average = torch.empty(offsets[-1], dtype=dtype, device=self.device)
         self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
         self.next_q: dict[int, torch.Tensor] = {}
+        self.next_p: dict[int, torch.Tensor] = {}  # (alternating only)
 
     # ------------------------------------------------------------------ the framework's side
 
@@ -381,7 +363,7 @@ class StepSync:
             r = self._start(self.units[self.started])
             self.started += 1
             r.call = self.call
-            (self.in_p if r.parts else self.in_q).append(r)
+            (self.in_p if r.parts and self.side is None else self.in_q).append(r)
 
     def _done(self, slots: Sequence[int]) -> None:
         """These slots hold their average: complete the futures of buckets now averaged."""
@@ -399,7 +381,9 @@ class StepSync:
         plan = self.compression.unit_plan(unit, self.groups, self.device)
         r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed))
         r.parts = [self._project_p(part) for part in plan.parts]
-        if r.parts:
+        if r.parts and self.side is not None:
+            self._start_alternate(r)
+        elif r.parts:
             r.p_flats, works, sends = _factor_buffers(r.parts, 0, self.device, self.wire)
             for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
@@ -411,6 +395,22 @@ class StepSync:
         r.works = [self.collectives.all_reduce(flat, async_op=True) for flat, _ in r.flats]
         r.works += [self._sum_factor(flat) for flat in r.p_flats]
         return r
+
+    def _start_alternate(self, r: _Round) -> None:
+        """Alternating: project M on the kept factor (orthonormalised), P = M Q or Q = M^T P,
+        into the buffers to send (the unit's P buffers, whichever factor it is)."""
+        assert self.side is not None  # (an alternating step)
+        r.p_flats, works, sends = _factor_buffers(r.parts, self.side, self.device, self.wire)
+        for part, free, send in zip(r.parts, works, sends, strict=True):
+            if self.side == 0:
+                part.p, part.p_send, part.q = free, send, part.q_in
+                project_p(part.m, part.q_in, out=free)
+            else:
+                assert part.p_in is not None  # (set by _project_p on Q's steps)
+                part.q, part.q_send, part.p = free, send, part.p_in
+                project_q(part.m, part.p_in, out=free)
+            if send is not free:
+                send.copy_(free)  # (to the wire dtype)
 
     def _project_p(self, part: PartPlan) -> _Part:
         """M = G + error for a unit's matrices of one group, written where the group's new
@@ -430,8 +430,16 @@ class StepSync:
                 m = torch.stack(views).to(work)
             old = g.error[index] if isinstance(index, slice) else g.error.index_select(0, index)
             m.add_(old, alpha=info.scale)  # (the residual is kept unscaled)
-        q_in = g.q[index] if isinstance(index, slice) else g.q.index_select(0, index)
-        return _Part(part, m, q_in.to(work))  # (Q kept in bf16: worked on in the working dtype)
+        q_in = (g.q[index] if isinstance(index, slice) else g.q.index_select(0, index)).to(work)
+        # (.to: Q kept in bf16 is worked on in the working dtype)
+        if self.side is None:
+            return _Part(part, m, q_in)
+        # alternating: the kept factor, orthonormalised (a copy: the kept one stays as it is)
+        if self.side == 0:
+            return _Part(part, m, orthogonalize_(q_in.clone()))
+        assert g.p is not None  # (kept since the step that compressed first, which computes P)
+        p_in = (g.p[index] if isinstance(index, slice) else g.p.index_select(0, index)).to(work)
+        return _Part(part, m, q_in, orthogonalize_(p_in.clone()))
 
     def _sum_factor(self, flat: torch.Tensor) -> Issued:
         """Issue the sum of a factor buffer over the replicas, in the wire format."""
@@ -466,15 +474,22 @@ class StepSync:
         new error feedback and Q aside (committed at the end of the step)."""
         info, world = self.info, self.collectives.world_size
         self.collectives.wait(r.works, self.step_comm)
-        if (info.compressed or info.watch_average) and not r.parts:
-            for flat in (f for f, _ in r.flats):
+        if (info.compressed or info.watch_average) and (not r.parts or self.side is not None):
+            for flat in [*(f for f, _ in r.flats), *r.p_flats]:
                 self.ok &= torch.isfinite(flat).all()
         for part in r.parts:
             g, index = part.plan.group, part.plan.index
-            assert part.p is not None and part.q is not None and part.q_send is not None  # (set by _finish_p)
-            if part.q_send is not part.q:
-                part.q.copy_(part.q_send)
-            part.q.div_(world)
+            assert part.p is not None and part.q is not None  # (set by _finish_p or _start_alternate)
+            if self.side == 0:  # (alternating: P was summed)
+                assert part.p_send is not None
+                if part.p_send is not part.p:
+                    part.p.copy_(part.p_send)
+                part.p.div_(world)
+            else:
+                assert part.q_send is not None
+                if part.q_send is not part.q:
+                    part.q.copy_(part.q_send)
+                part.q.div_(world)
             m_hat = reconstruct(part.p, part.q)  # (B', m, n), working dtype
             for i, s in enumerate(part.plan.slots):
                 self.grads[s].copy_(m_hat[i].view(self.grads[s].shape))
@@ -487,6 +502,12 @@ class StepSync:
             if part.plan.column not in self.next_q:
                 self.next_q[part.plan.column] = torch.empty_like(g.q)
             _put(self.next_q[part.plan.column], index, part.q)
+            if self.side is not None:
+                if part.plan.column not in self.next_p:
+                    kept = g.q.dtype
+                    self.next_p[part.plan.column] = torch.empty((len(g.slots), g.shape[0], g.q.shape[-1]),
+                                                                dtype=kept, device=g.q.device)
+                _put(self.next_p[part.plan.column], index, part.p)
         for flat, slots in r.flats:
             flat.div_(world)
             scatter(flat, [self.grads[s] for s in slots])
@@ -499,42 +520,14 @@ class StepSync:
     # ------------------------------------------------------------------ the step's end
 
     def _control(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, Issued] | None:
-        """Measure this replica's entropy, gradient sample norm, warm-up errors and
-        learning-rate drop, as the step wants, and issue their all-reduce (waited for in
-        the drain); None on steps that need none of them."""
-        info, cfg = self.info, self.config
-        if not info.want_control:
+        """Measure this replica's control values (edgc.comm.control), as the step wants,
+        and issue their all-reduce (waited for in the drain); None on steps that need none."""
+        if not self.info.want_control:
             return None
         lap = start_lap(self.device)
-        control = torch.zeros(CONTROL_LEN, dtype=torch.float64)
-        control[NONFINITE] = float(not bool(self.local_finite))
-        if info.want_sample and info.scale != 1.0:
-            assert self.sample is not None  # (allocated on a step that wants a sample)
-            self.sample.div_(info.scale)  # the true gradient's entropy and norm, not the scaled one's
-        if info.want_entropy:
-            assert self.sample is not None  # (allocated on a step that wants the entropy)
-            control[ENTROPY] = estimate_entropy(self.sample, cfg.entropy_estimator, cfg.bins, cfg.differential)
-        if info.want_noise:
-            assert self.sample is not None  # (and on one that wants the noise scale)
-            control[GRAD_SQ] = float(torch.linalg.vector_norm(self.sample, dtype=torch.float64).square())
-        if info.want_lr_drop:
-            control[LR_DROP] = float(info.lr_dropped)
-        if info.want_errors and self.eager:
-            eps = lowrank_errors_from_sums(self.error_sums, cfg.warmup_error_norm)
-            if cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
-                eps = [e / info.scale for e in eps]
-            control[EPS_MIN], control[EPS_MAX] = eps
-        elif info.want_errors:
-            r_max = info.error_ranks[1]
-            mats = [g for s, g in enumerate(grads)
-                    if compressible(self.compression.slot_shapes[s], r_max, cfg.min_compression_rate)]
-            if not mats:
-                eps = [float("nan"), float("nan")]
-            elif cfg.warmup_error_norm == "l1":  # (in unscaled gradient units)
-                eps = [e / info.scale for e in lowrank_l1_error(mats, list(info.error_ranks))]
-            else:
-                eps = relative_lowrank_error(mats, list(info.error_ranks))
-            control[EPS_MIN], control[EPS_MAX] = eps
+        control = control_values(self.info, self.config, local_finite=bool(self.local_finite), sample=self.sample,
+                                 error_sums=self.error_sums if self.eager else None, grads=grads,
+                                 slot_shapes=self.compression.slot_shapes)
         self.entropy_seconds += float(lap.stop())
         # collective: all-reduce SUM of CONTROL_LEN = 6 float64 values (48 bytes), issued at the
         # last bucket (pipelined: after every unit's P) and waited for at the end of the step
@@ -543,11 +536,10 @@ class StepSync:
     def _add_error_sums(self, slots: Sequence[int]) -> None:
         """Eager warm-up check: add a buffer's compressible matrices, before they are
         averaged, to the step's error sums."""
-        cfg, r_max = self.config, self.info.error_ranks[1]
         mats = [self.grads[s] for s in slots
-                if compressible(self.compression.slot_shapes[s], r_max, cfg.min_compression_rate)]
-        sums = lowrank_error_sums(mats, list(self.info.error_ranks), cfg.warmup_error_norm)
-        self.error_sums = [a + b for a, b in zip(self.error_sums, sums, strict=True)]
+                if compressible(self.compression.slot_shapes[s], self.info.error_ranks[1],
+                                self.config.min_compression_rate)]
+        self.error_sums = add_error_sums(self.error_sums, mats, self.info, self.config)
 
     def _commit(self) -> bool:
         """Keep the step's new error feedback and Q if every sum was finite; returns
@@ -556,7 +548,8 @@ class StepSync:
         flags = torch.stack([self.ok.long(), *(d.sum() for d in dead)]).tolist()
         if not flags[0]:
             return False
-        self.compression.commit(self.next_error, self.next_q, dead, flags[1:])
+        self.compression.commit(self.next_error, self.next_q, dead, flags[1:],
+                                self.next_p if self.side is not None else None)
         return True
 
 

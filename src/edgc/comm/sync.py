@@ -63,9 +63,10 @@ import torch.distributed as dist
 from edgc.comm.calibration import Calibration
 from edgc.comm.collectives import Collectives
 from edgc.comm.compression import CompressionState, Entry
+from edgc.comm.control import ENTROPY, EPS_MAX, EPS_MIN, GRAD_SQ, LR_DROP, NONFINITE
 from edgc.comm.state_format import FORMAT, VERSION, check_state
 from edgc.comm.stats import EDGCStats
-from edgc.comm.step import ENTROPY, EPS_MAX, EPS_MIN, GRAD_SQ, LR_DROP, NONFINITE, StepInfo, StepResult, StepSync
+from edgc.comm.step import StepInfo, StepResult, StepSync
 from edgc.comm.timing import LapSum, start_lap
 from edgc.comm.windowgrad import WindowGradient
 from edgc.config import EDGCConfig, pipeline_refusal

@@ -33,6 +33,7 @@ class Group:
     q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
     error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
     dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
+    p: torch.Tensor | None = None  # (B, m, r) alternating (EDGCConfig.alternate): the last P, replica-identical
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -69,15 +70,17 @@ def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
 
 
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
-                    groups: Sequence[Group], wire: str = "native") -> list[int]:
+                    groups: Sequence[Group], wire: str = "native", side: int | None = None) -> list[int]:
     """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
-    of P and Q) for a matrix of `groups`, r being its group's q.shape[-1], in wire format
-    `wire` (edgc.comm.wire.wire_bytes), and numel elements at the element size of the
-    slot's gradient dtype for any other slot. `groups` empty: a step sent uncompressed."""
+    of P and Q; alternating, m * r for P's step, `side` 0, or n * r for Q's, 1) for a
+    matrix of `groups`, r being its group's q.shape[-1], in wire format `wire`
+    (edgc.comm.wire.wire_bytes), and numel elements at the element size of the slot's
+    gradient dtype for any other slot. `groups` empty: a step sent uncompressed."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
     for g in groups:
         for s in g.slots:
-            sizes[s] = wire_bytes(sum(g.shape) * g.q.shape[-1], g.dtype.itemsize, wire)
+            rows = sum(g.shape) if side is None else g.shape[side]
+            sizes[s] = wire_bytes(rows * g.q.shape[-1], g.dtype.itemsize, wire)
     return sizes
 
 

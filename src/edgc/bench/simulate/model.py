@@ -33,7 +33,7 @@ from edgc.bench.comm import ring_allreduce_seconds
 from edgc.bench.simulate.cluster import ClusterSpec
 from edgc.bench.simulate.layout import StageGradients, stage_gradients
 from edgc.bench.simulate.profile import CostProfile
-from edgc.comm.step import CONTROL_LEN
+from edgc.comm.control import CONTROL_LEN
 from edgc.compress import compressible
 from edgc.config import EDGCConfig
 from edgc.models.gpt2 import build_model
