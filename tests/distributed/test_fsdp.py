@@ -113,3 +113,20 @@ def test_warmup_ends_at_the_first_error_check_that_passes_measured_module_by_mod
     # a bound no gradient meets keeps the warm-up to its cap
     capped = run_workers(fsdp_workers.train, 4, "edgc", dict(config, warmup_max_error=1e-9), 6, timeout=300)
     assert all(r["ranks"] == [0] * 6 for r in capped)
+
+
+@pytest.mark.parametrize("wire,alternate", [("int8", False), ("fp8", True)])
+def test_quantized_and_alternating_modes_compress_and_resume_exactly(wire, alternate):
+    config = dict(BASE, policy="noise", wire=wire, alternate=alternate, state_dtype="bf16")
+    full = run_workers(fsdp_workers.train, 4, "edgc", dict(BASE, policy="noise"), 10, timeout=300)
+    out = run_workers(fsdp_workers.train, 4, "edgc", config, 10, timeout=300)
+    _check_compressed_run(out, 10)
+    for a, b in zip(out, full, strict=True):  # (fewer bytes: the factors travel in one byte, or one a step)
+        assert a["stats"].bytes_sent < b["stats"].bytes_sent
+    straight = run_workers(fsdp_workers.train, 4, "edgc", config, 10, {"stop_at": 5}, timeout=300)
+    resumed = run_workers(fsdp_workers.train, 4, "edgc", config, 10,
+                          {"resume": [r["saved"] for r in straight]}, timeout=300)
+    for s, a in zip(straight, resumed, strict=True):
+        assert_same(s["params"], a["params"], "params")
+        assert s["losses"][5:] == a["losses"]
+        assert_same(_untimed(s["state"]), _untimed(a["state"]), "state")

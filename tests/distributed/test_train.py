@@ -130,3 +130,24 @@ def test_under_torchrun(tmp_path, data_dir):
     train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["phase"] == "compress"
     assert (out / "summary.md").is_file()
+
+
+@pytest.mark.parametrize("extra", [["--edgc-wire", "int8"], ["--edgc-wire", "fp8", "--edgc-alternate", "true",
+                                                              "--edgc-state-dtype", "bf16"]])
+def test_quantized_and_alternating_modes_train_and_resume_exactly(tmp_path, data_dir, extra):
+    common = ["--method", "edgc", "--steps", "12", "--eval-every", "6", "--checkpoint-every", "6",
+              "--edgc-warmup", "fixed", "--edgc-warmup-steps", "3", "--edgc-window", "2", *extra]
+    straight, part, full = tmp_path / "straight", tmp_path / "part", tmp_path / "full"
+    assert main(_args(data_dir, straight, *common)) == 0
+    assert main(_args(data_dir, part, *common, "--stop-after", "7")) == 0
+    assert main(["train", "--resume", str(part), "--stop-after", "12", "--no-progress"]) == 0
+    a = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(straight / "metrics.jsonl")]
+    b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
+    assert a == b
+    config = json.loads((straight / "config.json").read_text())
+    assert json.dumps(config).count('"wire": "' + extra[1] + '"') == 1
+    # the same run with the factors in float32, both at once: its compressed steps send more
+    assert main(_args(data_dir, full, *common[:-len(extra)])) == 0
+    sent = [sum(r["bytes_sent"] for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train" and r["rank"])
+            for d in (straight, full)]
+    assert sent[0] < 0.7 * sent[1]
