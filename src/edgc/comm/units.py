@@ -152,8 +152,13 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
 
     The buffers are in the dtype that travels ("native": the gradient's; "bf16"), or in
     the working dtype for a quantized format, which quantizes as it sends. Where a group
-    works in that dtype, its working view is its view to send (no copy).
+    works in that dtype, its working view is its view to send (no copy). A quantized
+    format's buffer holds each matrix column by column, so that a block of consecutive
+    elements, which shares one scale, lies in one column: a factor's columns differ in
+    size by as much as the singular values they follow, and a block across them would
+    round the small ones away.
     """
+    quantized = wire in ("int8", "fp8")
     kinds = [_send_dtype(g.dtype, wire) for g in groups]
     flats, sent = [], {}  # sent: group's position -> its view to send
     for dtype in dtype_order(kinds):
@@ -161,10 +166,12 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
         sizes = [math.prod(shapes[i]) for i in members]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         for i, view in zip(members, flat.split(sizes), strict=True):
-            sent[i] = view.view(shapes[i])
+            b, rows, r = shapes[i]
+            sent[i] = view.view(b, r, rows).transpose(1, 2) if quantized else view.view(shapes[i])
         flats.append(flat)
     sends = [sent[i] for i in range(len(groups))]
-    works = [send if working_dtype(g.dtype) == send.dtype else torch.empty_like(send, dtype=working_dtype(g.dtype))
+    works = [send if working_dtype(g.dtype) == send.dtype and not quantized
+             else torch.empty(send.shape, dtype=working_dtype(g.dtype), device=device)
              for g, send in zip(groups, sends, strict=True)]
     return flats, works, sends
 
