@@ -109,7 +109,8 @@ def quantize(x: torch.Tensor, code: Codec) -> torch.Tensor:
     n = x.numel()
     blocks = torch.nn.functional.pad(x, (0, -n % BLOCK)).view(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(absmax > 0, absmax / code.limit, torch.ones_like(absmax))
+    # (== 0, not > 0: a block holding a nan keeps a nan scale, which makes it non-finite)
+    scale = torch.where(absmax == 0, torch.ones_like(absmax), absmax / code.limit)
     scaled = blocks.float() / scale
     if code.dtype == torch.int8:
         codes = scaled.round_().clamp_(-code.limit, code.limit).to(torch.int8)

@@ -1,0 +1,62 @@
+"""The one-byte wire formats (edgc.comm.wire): rounding within the format's step, scales
+per block, non-finite values kept non-finite, and the config's refusals."""
+
+import math
+
+import pytest
+import torch
+
+from edgc import EDGCConfig
+from edgc.comm.wire import BLOCK, codec, dequantize, quantize, quantized_bytes, wire_bytes
+
+
+@pytest.mark.parametrize("n", [1, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
+def test_int8_rounds_each_block_to_its_own_step(n):
+    code = codec("int8")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    x[: min(n, BLOCK)] *= 1000  # one loud block must not drown the others
+    data = quantize(x, code)
+    assert data.dtype == torch.uint8 and data.numel() == n + 4 * math.ceil(n / BLOCK)
+    y = dequantize(data, n, code, torch.float64)
+    for start in range(0, n, BLOCK):
+        block, back = x[start : start + BLOCK], y[start : start + BLOCK]
+        step = float(block.abs().max()) / 127
+        assert float((back - block).abs().max()) <= step / 2 * (1 + 1e-6)
+
+
+def test_fp8_keeps_relative_precision_and_zeros():
+    code = codec("fp8")
+    x = torch.linspace(-3, 3, 2 * BLOCK, dtype=torch.float32)
+    x[BLOCK:] = 0.0
+    y = dequantize(quantize(x, code), x.numel(), code, torch.float32)
+    big = x.abs() > 0.05
+    assert float(((y - x).abs()[big] / x.abs()[big]).max()) <= 2**-4
+    assert torch.equal(y[BLOCK:], torch.zeros(BLOCK))  # an all-zero block: scale 1, codes 0
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_makes_its_block_non_finite(wire, bad):
+    code = codec(wire)
+    x = torch.randn(2 * BLOCK)
+    x[5] = bad
+    y = dequantize(quantize(x, code), x.numel(), code, torch.float32)
+    assert not torch.isfinite(y[:BLOCK]).any()
+    assert torch.isfinite(y[BLOCK:]).all()
+
+
+def test_byte_counts():
+    assert wire_bytes(1000, 4, "native") == 4000
+    assert wire_bytes(1000, 4, "bf16") == 2000
+    assert wire_bytes(1000, 4, "int8") == 1000 + 4 * 8
+    # a sum over 4 replicas: 4 chunks of 250 elements, each with 2 scales
+    assert quantized_bytes(1000, 4) == 4 * (250 + 8)
+    assert codec("native") is None and codec("bf16") is None
+
+
+def test_config_refusals():
+    with pytest.raises(ValueError, match="wire"):
+        EDGCConfig(max_rank=8, wire="int4")
+    with pytest.raises(ValueError, match="alternate.*warm_start"):
+        EDGCConfig(max_rank=8, alternate=True, warm_start=False)
+    assert EDGCConfig.from_dict(EDGCConfig(wire="fp8", alternate=True).to_flat()).wire == "fp8"
