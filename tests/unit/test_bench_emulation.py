@@ -134,10 +134,11 @@ def test_resolve_target():
     assert resolve_target(finals, loss=2.8) == (2.8, "given")
     with pytest.raises(ValueError, match="no run of that name"):
         resolve_target(finals, of="powersgd-rmax")
-    with pytest.raises(ValueError, match="never syncs"):
+    with pytest.raises(ValueError, match="never sync"):
         resolve_target(finals, of="compute-only")
-    with pytest.raises(ValueError, match="not finite"):
-        resolve_target({"none": math.nan, "edgc": 3.0}, of="none")
+    # a diverged run's loss is a target no run reaches (the report then adds the worst final loss)
+    target, how = resolve_target({"none": math.nan, "edgc": 3.0}, of="none")
+    assert math.isnan(target) and "diverged" in how
     assert resolve_target({"none": math.nan, "edgc": 3.0}) == (3.0, "the worst final")
 
 
@@ -162,6 +163,8 @@ def test_a_target_some_run_misses_adds_the_worst_final_loss_which_all_reach():
     assert "| none | 4 | 2.0 | — | 0.67x |" in second and "| edgc-static | 6 | 3.0 | 1.50x | — |" in second
     # a target every run reaches: one section
     assert "Not every run" not in _target_markdown(loaded, finals, 2.3, "edgc-static's final")
+    # a diverged run's NaN: no run reaches it, and the worst final loss follows
+    assert "(the worst final)" in _target_markdown(loaded, finals, math.nan, "none's final, not finite")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -173,7 +176,9 @@ def test_a_target_some_run_misses_adds_the_worst_final_loss_which_all_reach():
     (["--sync-share", "0.43", "--", "--pp", "2"], "pipeline"),
     (["--loopback", "--bandwidth", "1gbit"], "--loopback has none"),
     (["--loopback", "--cores-per-worker", "100000"], "cores, but this process may use"),
-    (["--loopback", "--methods", "none,edgc", "--target-loss-of", "edgc-static"], "not one of the methods run"),
+    (["--loopback", "--methods", "none,edgc", "--target-loss-of", "edgc-static"], "no run of that name"),
+    (["--loopback", "--emulated-device-ms", "-1"], "must be >= 0"),
+    (["--loopback", "--emulated-device-ms", "5", "--", "--emulated-device-ms", "5"], "give it once"),
     (["--loopback", "--methods", "none,compute-only", "--target-loss-of", "compute-only"], "no target"),
     (["--loopback", "--methods", "edgc-schedule"], "unknown method"),
 ])

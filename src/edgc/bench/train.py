@@ -132,18 +132,18 @@ def time_to_target(records: list[dict], target: float) -> float:
 
 def resolve_target(finals: dict[str, float], loss: float | None = None, of: str | None = None) -> tuple[float, str]:
     """The target validation loss and how it was chosen, from the runs' final validation
-    losses (`finals`, by run name): `loss` as given, else run `of`'s final loss, else the
-    worst finite final loss of the runs that sync (compute-only's replicas drift apart:
-    its loss is no target); NaN when there is none."""
+    losses (`finals`, by run name): `loss` as given, else run `of`'s final loss (NaN, which
+    no run reaches, when that run diverged), else the worst finite final loss of the runs
+    that sync (compute-only's replicas drift apart: its loss is no target); NaN when there
+    is none."""
     if loss is not None:
         return loss, "given"
     if of is not None:
         if of not in finals:
             raise ValueError(f"--target-loss-of {of}: no run of that name (the runs: {', '.join(finals)})")
-        if of == "compute-only" or not math.isfinite(finals[of]):
-            raise ValueError(f"--target-loss-of {of}: its final validation loss is no target "
-                             f"({'it never syncs' if of == 'compute-only' else 'it is not finite'})")
-        return finals[of], f"{of}'s final"
+        if of == "compute-only":
+            raise ValueError("--target-loss-of compute-only: its replicas never sync, and its loss is no target")
+        return finals[of], f"{of}'s final" + ("" if math.isfinite(finals[of]) else ", not finite: the run diverged")
     usable = [v for n, v in finals.items() if n != "compute-only" and math.isfinite(v)]
     return (max(usable), "the worst final") if usable else (math.nan, "no finite final")
 
@@ -253,10 +253,12 @@ def _check_emulation(args: argparse.Namespace, names: list[str], extra: list[str
             raise ValueError(f"--calibration-steps {args.calibration_steps} must be at least 4")
     elif args.bandwidth is not None and args.loopback:
         raise ValueError("--bandwidth limits the namespaces' links: --loopback has none")
-    if args.target_loss_of is not None and args.target_loss_of not in names:
-        raise ValueError(f"--target-loss-of {args.target_loss_of}: not one of the methods run ({', '.join(names)})")
-    if args.target_loss_of == "compute-only":
-        raise ValueError("--target-loss-of compute-only: its replicas never sync, and its loss is no target")
+    if args.emulated_device_ms < 0:
+        raise ValueError(f"--emulated-device-ms {args.emulated_device_ms:g} must be >= 0")
+    if args.emulated_device_ms and _flag_value(extra, "--emulated-device-ms") is not None:
+        raise ValueError("--emulated-device-ms is given twice, before and after --: give it once")
+    if args.target_loss_of is not None:  # (refused now, not after every run has trained)
+        resolve_target(dict.fromkeys(names, 0.0), of=args.target_loss_of)
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
