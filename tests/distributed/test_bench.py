@@ -10,11 +10,13 @@ import pytest
 
 from edgc.bench.cluster import run_on_cluster
 from edgc.bench.comm import ring_allreduce_seconds
+from edgc.bench.emulation import SyncShare, measured_compute
 from edgc.bench.netns import Cluster, NetnsUnavailable, parse_rate
-from edgc.bench.train import time_to_target
+from edgc.bench.train import first_reached, time_to_target
 from edgc.cli import main
 from edgc.train.launch import WorkerError
 from edgc.train.metrics import read_metrics
+from edgc.train.summary import load_run, summarize
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -201,6 +203,69 @@ def test_bench_train_loopback(tmp_path):
     assert target == pytest.approx(max(float(rows[n][9]) for n in ("none", "edgc", "edgc-wholestep")), abs=1e-3)
     assert "nan" not in text
     assert "every run with `--batch-size 2 --block-size 32" in text.split("\n\n")[1]  # what was run, said
+
+
+def _table(text, heading):
+    """The rows of the markdown table after `heading`, by run name, as lists of cells."""
+    lines = text.split(heading)[1].split("\n\n")[1].splitlines()
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2, reason="taskset, 2 cores")
+def test_bench_train_pinned_with_device_time_reports_time_to_a_methods_loss(tmp_path, data_dir):
+    # one core per worker, emulated device time, and the time each method needs to reach
+    # static rank's final loss, as the issue's measurement runs it (on loopback, shortened)
+    out = tmp_path / "bench"
+    assert main(["bench", "train", "--loopback", "--nproc", "2", "--cores-per-worker", "1", "--emulated-device-ms", "5",
+                 "--steps", "6", "--methods", "none,edgc-static", "--rank", "4", "--target-loss-of", "edgc-static",
+                 "--out", str(out), "--", "--data", str(data_dir), "--batch-size", "2", "--block-size", "32",
+                 "--eval-tokens", "256", "--eval-every", "2", "--edgc-warmup-steps", "2"]) == 0
+    text = (out / "bench.md").read_text()
+    assert "each worker pinned to 1 core(s) of its own, emulated device time 5 ms" in text.split("\n\n")[1]
+    records = {}
+    for name in ("none", "edgc-static"):
+        config, records[name] = load_run(out / name)
+        assert config["emulated_device_ms"] == 5
+        # every step waited 4 blocks x (5 ms forward + 10 ms backward)
+        assert min(r["step_time"] for r in records[name] if r["kind"] == "train") >= 0.060
+    assert (config["method"], config["edgc"]["policy"], config["rank"]) == ("edgc", "static", 4)
+    # the target is static's final validation loss, which static reaches by its last step at the latest
+    static = summarize("edgc-static", config, records["edgc-static"])
+    assert f"## Time to validation loss {static.final_val_loss:.4f} (edgc-static's final)" in text
+    rows = _table(text, "## Time to validation loss")
+    assert rows["run"][:4] == ["reached at step", "time (s)", "vs none", "vs edgc-static"]
+    reached = {name: first_reached(records[name], static.final_val_loss) for name in records}
+    assert reached["edgc-static"] is not None and reached["edgc-static"][0] <= 6
+    for name, got in reached.items():
+        assert rows[name][:2] == ([str(got[0]), f"{got[1]:.1f}"] if got else ["not reached", "—"])
+    if reached["none"]:  # each ratio is the row's time over the column's
+        ratio = reached["none"][1] / reached["edgc-static"][1]
+        assert float(rows["none"][3].rstrip("x")) == pytest.approx(ratio, abs=0.006)
+        assert float(rows["edgc-static"][2].rstrip("x")) == pytest.approx(1 / ratio, abs=0.006)
+    else:  # then also the time to the worst final loss, which both reach
+        assert rows["none"][3] == rows["edgc-static"][2] == "—" and "Not every run reached it" in text
+
+
+@needs_root
+@pytest.mark.slow
+def test_bench_train_sets_the_links_for_a_sync_share(tmp_path, data_dir, capsys):
+    # --sync-share: a compute-only run on loopback measures the step, and the links get the
+    # rate at which the uncompressed sync takes half of it
+    out = tmp_path / "bench"
+    assert main(["bench", "train", "--nproc", "2", "--sync-share", "0.5", "--calibration-steps", "8",
+                 "--emulated-device-ms", "10", "--steps", "8", "--methods", "none", "--out", str(out), "--",
+                 "--data", str(data_dir), "--batch-size", "2", "--block-size", "32", "--eval-tokens", "256"]) == 0
+    config, calibration = load_run(out / "calibration")
+    assert (config["method"], config["steps"], config["emulated_device_ms"]) == ("compute-only", 8, 10)
+    share = SyncShare(0.5, 2, *measured_compute(calibration))
+    text = (out / "bench.md").read_text()
+    assert f"{share.bandwidth} per link each way (tc tbf, namespaces, for a 50% sync share)" in text.split("\n\n")[1]
+    assert share.explain() in text.split("## Link rate")[1] and share.explain() in capsys.readouterr().out
+    # the limited links made the uncompressed sync a real part of none's step (unlimited
+    # loopback adds a few ms to a step of over 120 ms)
+    none = summarize("none", *load_run(out / "none"))
+    assert 1 - share.compute_s / none.mean_step_time > 0.25
 
 
 @pytest.mark.slow

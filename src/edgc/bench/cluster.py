@@ -40,7 +40,7 @@ def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float,
         "MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(cluster.n),
         # (the emulated nodes share this machine and its GPUs: local ranks are cluster ranks)
         "LOCAL_WORLD_SIZE": str(cluster.n), "GLOO_SOCKET_IFNAME": cluster.ifname,
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cluster.n)), "PYTHONUNBUFFERED": "1",
+        "PYTHONUNBUFFERED": "1",
     }
     with tempfile.TemporaryDirectory(prefix="edgc-cluster-") as tmp:
         logs = [Path(tmp) / f"{r}.log" for r in range(cluster.n)]
@@ -50,7 +50,8 @@ def run_on_cluster(cluster: Cluster, args: list[str], *, timeout: float,
                 with logs[r].open("w") as log:
                     procs.append(subprocess.Popen(
                         cluster.command(r, [sys.executable, "-m", "edgc", *args]),
-                        env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
+                        env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": str(cluster.threads(r))},
+                        stdout=log, stderr=subprocess.STDOUT,
                     ))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):

@@ -17,6 +17,9 @@ and intra-node bytes are measured on the wire, not inferred. All addresses live 
 namespaces this module creates; nothing touches the host's own interfaces. netem is not
 available on this project's machines, so latency is modelled (edgc simulate), not emulated.
 
+With `cores`, worker i runs under `taskset -c cores[i]`: pinned to CPUs of its own, in
+namespaces or on loopback (edgc.bench.emulation.worker_cores picks them).
+
 Everything is torn down on exit from the `with` block, on success, failure or Ctrl-C.
 """
 
@@ -73,18 +76,22 @@ def stale_namespaces() -> list[str]:
 class Cluster:
     """N workers and how to reach them: in namespaces with rate-limited links, or on loopback.
 
-    With `bandwidth=None` it is loopback mode: no namespaces, no limits, 127.0.0.1.
+    With `bandwidth=None` it is loopback mode: no namespaces, no limits, 127.0.0.1. With
+    `cores`, each worker is pinned to its own list of CPUs.
     """
 
     n: int
     bandwidth: str | None = "200mbit"
     prefix: str = field(default_factory=lambda: f"edgc{os.getpid()}")
     nodes: int | None = None  # group the workers into this many nodes (None: one per worker)
+    cores: list[list[int]] | None = None  # the CPUs of each worker (None: not pinned)
     _made: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.nodes is not None and (self.nodes < 1 or self.n % self.nodes):
             raise ValueError(f"--nodes {self.nodes} must divide the {self.n} workers evenly")
+        if self.cores is not None and (len(self.cores) != self.n or not all(self.cores)):
+            raise ValueError(f"cores must give each of the {self.n} workers at least one CPU, got {self.cores}")
 
     @property
     def node_count(self) -> int:
@@ -111,8 +118,14 @@ class Cluster:
         return "eth0" if self.emulated else "lo"
 
     def command(self, i: int, argv: list[str]) -> list[str]:
-        """argv run as worker i (inside its namespace when emulated)."""
-        return ["ip", "netns", "exec", f"{self.prefix}-w{self.node(i)}", *argv] if self.emulated else list(argv)
+        """argv run as worker i (inside its namespace when emulated, on its CPUs when pinned)."""
+        inner = ["ip", "netns", "exec", f"{self.prefix}-w{self.node(i)}", *argv] if self.emulated else list(argv)
+        # (taskset's affinity passes through ip's exec to the worker and every thread it starts)
+        return ["taskset", "-c", ",".join(map(str, self.cores[i])), *inner] if self.cores else inner
+
+    def threads(self, i: int) -> int:
+        """Compute threads for worker i: its own CPUs when pinned, else an even share of the machine's."""
+        return len(self.cores[i]) if self.cores else max(1, (os.cpu_count() or 1) // self.n)
 
     @staticmethod
     def check() -> None:

@@ -3,8 +3,13 @@
 Every method runs `edgc train` with the same seed, data, model and steps on the same
 cluster (one network namespace per worker, links limited with tc tbf), one method after
 the other. The report compares step time, tokens/s, time in gradient communication, total
-bytes, final validation loss and perplexity, and the training time needed to reach a
-target validation loss.
+bytes, final validation loss and perplexity, and the training time each method needs to
+reach a target validation loss, with the ratios of those times.
+
+For an emulated cluster whose steps are not compute-bound (edgc.bench.emulation), each
+worker can be pinned to cores of its own (--cores-per-worker), its device time emulated
+(--emulated-device-ms), and the links set so that the uncompressed sync takes a given
+share of the step (--sync-share) instead of a fixed --bandwidth.
 """
 
 from __future__ import annotations
@@ -19,20 +24,24 @@ from pathlib import Path
 import torch
 
 from edgc.bench.cluster import run_on_cluster
+from edgc.bench.emulation import SyncShare, calibrate, worker_cores
 from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.models import PRESETS
+from edgc.policy.registry import policy_names
 from edgc.train.config import TrainConfig
 from edgc.train.launch import WorkerError
 from edgc.train.report import report
-from edgc.train.summary import load_run, stage_table, summarize
+from edgc.train.summary import RunSummary, load_run, stage_table, summarize
 from edgc.train.summary import table as markdown_table
 from edgc.train.trainer import ensure_data
 
-__all__ = ["add_parser", "run", "time_to_target", "train_on_cluster"]
+__all__ = ["add_parser", "first_reached", "resolve_target", "run", "target_table", "time_to_target",
+           "train_on_cluster"]
 
 MODES = {"quick": 100, "full": 600}
 DEFAULT_METHODS = "none,torch-powersgd,powersgd-rmax,powersgd-rmin,edgc"
 NODE_METHODS = "none,edgc,hsdp-native,hsdp-edgc"  # (with --nodes: DDP and HSDP, each uncompressed and with edgc)
+DEFAULT_BANDWIDTH = "200mbit"
 
 
 #: Suffix of a method spec that runs our hook in its whole-step mode ("edgc-wholestep").
@@ -67,6 +76,10 @@ def _method_args(spec: str, rank: int, layout: tuple[int, int] | None = None) ->
         "edgc-uniform": ["--method", "edgc", "--rank", str(rank), "--dac-stage-ranks", "uniform"],
         "edgc-dac-cap": ["--method", "edgc", "--rank", str(rank), "--dac-cap-at-r-max", "true"],
         "edgc-dac-measured": ["--method", "edgc", "--rank", str(rank), "--dac-slack", "measured"],
+        # our hook with another rank policy, e.g. edgc-static (rank r_max throughout, after the warm-up);
+        # (not schedule: its ranks would have to reach every run)
+        **{f"edgc-{policy}": ["--method", "edgc", "--rank", str(rank), "--edgc-policy", policy]
+           for policy in policy_names() if policy != "schedule"},
     }
     base = spec.removesuffix(WHOLE_STEP)
     ours = [name for name in table if name.startswith(("powersgd", "edgc"))]
@@ -96,18 +109,59 @@ def train_on_cluster(cluster: Cluster, train_args: list[str], run_dir: Path, ste
         return said[-1].split("error: ", 1)[1]
 
 
-def time_to_target(records: list[dict], target: float) -> float:
-    """Training seconds (summed step times, evaluation excluded) until the first validation
-    loss at or below `target`; inf if never reached."""
+def first_reached(records: list[dict], target: float) -> tuple[int, float] | None:
+    """(step, training seconds up to it) of the first validation loss at or below `target`,
+    the seconds being summed step times (evaluation excluded); None if never reached."""
     elapsed, by_step = 0.0, {}
     for r in records:
         if r.get("kind") == "train":
             elapsed += r["step_time"]
             by_step[r["step"]] = elapsed
     for r in records:
-        if r.get("kind") == "val" and r["val_loss"] is not None and r["val_loss"] <= target:
-            return by_step.get(r["step"], math.inf)
-    return math.inf
+        if r.get("kind") == "val" and r["val_loss"] is not None and r["val_loss"] <= target and r["step"] in by_step:
+            return r["step"], by_step[r["step"]]
+    return None
+
+
+def time_to_target(records: list[dict], target: float) -> float:
+    """Training seconds (summed step times, evaluation excluded) until the first validation
+    loss at or below `target`; inf if never reached."""
+    reached = first_reached(records, target)
+    return math.inf if reached is None else reached[1]
+
+
+def resolve_target(finals: dict[str, float], loss: float | None = None, of: str | None = None) -> tuple[float, str]:
+    """The target validation loss and how it was chosen, from the runs' final validation
+    losses (`finals`, by run name): `loss` as given, else run `of`'s final loss (NaN, which
+    no run reaches, when that run diverged), else the worst finite final loss of the runs
+    that sync (compute-only's replicas drift apart: its loss is no target); NaN when there
+    is none."""
+    if loss is not None:
+        return loss, "given"
+    if of is not None:
+        if of not in finals:
+            raise ValueError(f"--target-loss-of {of}: no run of that name (the runs: {', '.join(finals)})")
+        if of == "compute-only":
+            raise ValueError("--target-loss-of compute-only: its replicas never sync, and its loss is no target")
+        return finals[of], f"{of}'s final" + ("" if math.isfinite(finals[of]) else ", not finite: the run diverged")
+    usable = [v for n, v in finals.items() if n != "compute-only" and math.isfinite(v)]
+    return (max(usable), "the worst final") if usable else (math.nan, "no finite final")
+
+
+def target_table(reached: dict[str, tuple[int, float] | None]) -> str:
+    """Markdown: per run, the step and training seconds at which it first reached the target
+    (`first_reached`), and its time over each other run's ("0.62x": it needed 0.62 of that
+    run's time); "—" where either run never reached it."""
+    names = list(reached)
+    lines = ["| run | reached at step | time (s) | " + " | ".join(f"vs {n}" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for name, got in reached.items():
+        cells = [name, str(got[0]) if got else "not reached", f"{got[1]:.1f}" if got else "—"]
+        for other in names:
+            theirs = reached[other]
+            cells.append("—" if other == name or not (got and theirs) else _ratio(got[1], theirs[1]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 _DESCRIPTION = """\
@@ -116,7 +170,9 @@ the same seed, data, model and steps, on an emulated cluster: one network namesp
 worker, every link limited with tc (needs root and iproute2; --loopback runs on 127.0.0.1 \
 without limits). Writes each run's folder and bench.md in --out: step time, tokens/s, time \
 in gradient communication, bytes, final validation loss, and the training time each method \
-needs to reach a target validation loss."""
+needs to reach a target validation loss, with the ratios of those times. --cores-per-worker, \
+--emulated-device-ms and --sync-share make the emulated cluster one whose steps are not \
+compute-bound (docs/emulation.md)."""
 
 _EXAMPLES = """\
 examples:
@@ -125,7 +181,10 @@ examples:
   edgc bench train --methods compute-only,powersgd-rmax,powersgd-rmax-wholestep
                                                                     exposed communication, per sync mode
   edgc bench train --methods edgc,edgc-uniform -- --pp 2 --dp 2     DAC against uniform stage ranks
-                                                                    (after --: edgc train options)"""
+                                                                    (after --: edgc train options)
+  edgc bench train --nproc 2 --cores-per-worker 1 --emulated-device-ms 20 --sync-share 0.43 \\
+      --methods none,edgc-static,edgc --target-loss-of edgc-static
+                                                                    time to static's loss, sync 43% of a step"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -136,8 +195,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=None,
                    help="group the workers into this many nodes: unlimited links inside a node, --bandwidth "
                         "between nodes; the default methods become none, edgc, hsdp-native and hsdp-edgc")
-    p.add_argument("--bandwidth", default="200mbit", metavar="RATE",
-                   help="per-link rate, each direction (tc syntax: 200mbit, 1gbit)")
+    p.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help=f"per-link rate, each direction (tc syntax: 200mbit, 1gbit) (default: {DEFAULT_BANDWIDTH}, "
+                        "unless --sync-share)")
+    p.add_argument("--sync-share", type=float, default=None, metavar="SHARE",
+                   help="instead of --bandwidth: the rate at which the uncompressed sync takes this share of the "
+                        "step, sync / (compute + sync), from a short compute-only run on loopback first "
+                        "(--calibration-steps); 0.22 and 0.43 are edgc simulate's paper-2.5b and paper-12.1b")
+    p.add_argument("--calibration-steps", type=int, default=30,
+                   help="steps of the compute-only run that --sync-share measures the compute time with")
+    p.add_argument("--cores-per-worker", type=int, default=None, metavar="N",
+                   help="pin each worker to N cores of its own (taskset); refused when there are fewer than "
+                        "--nproc x N (default: not pinned, the workers share the cores)")
+    p.add_argument("--emulated-device-ms", type=float, default=0.0, metavar="MS",
+                   help="every run's `edgc train --emulated-device-ms`: each block waits MS forward and 2 x MS "
+                        "backward, idle, as a host waits for its GPU")
     p.add_argument("--loopback", action="store_true", help="no namespaces or limits: 127.0.0.1")
     p.add_argument("--mode", choices=sorted(MODES), default="quick",
                    help=f"run length: {', '.join(f'{m} {n} steps' for m, n in MODES.items())}")
@@ -145,16 +217,59 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=None,
                    help="comma-separated: none, compute-only (no sync: the exposed-communication baseline), "
                         "torch-powersgd, powersgd-rmax, powersgd-rmin, edgc, edgc-uniform, edgc-dac-cap, "
-                        "edgc-dac-measured; append -wholestep to one of ours for its whole-step mode; with "
+                        "edgc-dac-measured, edgc-POLICY (our hook with another rank policy: edgc-static, edgc-cqm, "
+                        "...); append -wholestep to one of ours for its whole-step mode; with "
                         "--nodes also hsdp-native, hsdp-powersgd, hsdp-edgc (default: "
                         f"{DEFAULT_METHODS}, or with --nodes {NODE_METHODS})")
     p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
-    p.add_argument("--target-loss", type=float, default=None,
-                   help="validation loss for time-to-target (default: the worst final loss of all methods)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--target-loss", type=float, default=None,
+                        help="validation loss for time-to-target (default: the worst final loss of all methods)")
+    target.add_argument("--target-loss-of", default=None, metavar="METHOD",
+                        help="time-to-target of the final validation loss of this method's run, e.g. edgc-static "
+                             "(a run is timed at its evaluations: after --, a small --eval-every times it finely)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/bench-<time>)")
     p.add_argument("--timeout", type=float, default=3 * 3600,
                    help="seconds each method's run may take before its workers are killed")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options for every run")
+
+
+def _check_emulation(args: argparse.Namespace, names: list[str], extra: list[str]) -> None:
+    """Refuse, before anything runs, the emulation options that cannot work together."""
+    if args.sync_share is not None:
+        if args.bandwidth is not None:
+            raise ValueError("give --sync-share or --bandwidth, not both: --sync-share works out the rate")
+        if not 0 < args.sync_share < 1:
+            raise ValueError(f"--sync-share {args.sync_share} must be between 0 and 1 (e.g. 0.43 for 43% of the step)")
+        if args.loopback or args.nodes:
+            raise ValueError("--sync-share sets the rate of each worker's own link: it needs namespaces (no "
+                             "--loopback) and one worker per link (no --nodes)")
+        if args.nproc < 2:
+            raise ValueError("--sync-share needs 2 or more workers: one worker has no sync")
+        if int(_flag_value(extra, "--pp") or 1) > 1:
+            raise ValueError("--sync-share times a compute-only run, which a pipeline (--pp > 1) cannot make; "
+                             "give --bandwidth")
+        if args.calibration_steps < 4:
+            raise ValueError(f"--calibration-steps {args.calibration_steps} must be at least 4")
+    elif args.bandwidth is not None and args.loopback:
+        raise ValueError("--bandwidth limits the namespaces' links: --loopback has none")
+    if args.emulated_device_ms < 0:
+        raise ValueError(f"--emulated-device-ms {args.emulated_device_ms:g} must be >= 0")
+    if args.emulated_device_ms and _flag_value(extra, "--emulated-device-ms") is not None:
+        raise ValueError("--emulated-device-ms is given twice, before and after --: give it once")
+    if args.target_loss_of is not None:  # (refused now, not after every run has trained)
+        resolve_target(dict.fromkeys(names, 0.0), of=args.target_loss_of)
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in `args`, or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,25 +281,37 @@ def run(args: argparse.Namespace) -> int:
     layout = (args.nodes, args.nproc // args.nodes) if args.nodes else None
     methods = args.methods or (NODE_METHODS if args.nodes else DEFAULT_METHODS)
     specs = [_method_args(m.strip(), args.rank, layout) for m in methods.split(",") if m.strip()]
+    _check_emulation(args, [name for name, _ in specs], extra)
+    cores = worker_cores(args.nproc, args.cores_per_worker) if args.cores_per_worker is not None else None
     if not args.loopback:
         try:
             Cluster.check()
         except NetnsUnavailable as exc:
             raise ValueError(str(exc)) from None
-    base = TrainConfig(preset=args.preset, steps=steps, nproc=args.nproc)
-    data = ensure_data(base)  # tokenise once, before any worker starts
+    # tokenise once, before any worker starts (unless every run is given its own data after --)
+    data = _flag_value(extra, "--data") or str(ensure_data(TrainConfig(preset=args.preset, steps=steps,
+                                                                       nproc=args.nproc)))
+    device = ["--emulated-device-ms", f"{args.emulated_device_ms:g}"] if args.emulated_device_ms else []
+    common = ["train", "--preset", args.preset, "--data", data, "--no-progress", *device]
     out.mkdir(parents=True, exist_ok=True)
+    share = None
+    if args.sync_share is not None:
+        print(f"[bench] calibration: compute-only, {args.calibration_steps} steps on {args.nproc} workers on "
+              "loopback ...", flush=True)
+        share = SyncShare(args.sync_share, args.nproc, *calibrate(
+            args.nproc, cores, [*common, *extra], out / "calibration", args.calibration_steps, timeout=args.timeout))
+        print(f"[bench] {share.explain()}", flush=True)
+    bandwidth = None if args.loopback else share.bandwidth if share else args.bandwidth or DEFAULT_BANDWIDTH
     runs = []
     wire: dict[str, tuple[int, int]] = {}  # run -> (inter-node, intra-node) bytes measured on the links
-    with Cluster(args.nproc, None if args.loopback else args.bandwidth, nodes=args.nodes) as cluster:
+    with Cluster(args.nproc, bandwidth, nodes=args.nodes, cores=cores) as cluster:
         for name, method_args in specs:
             run_dir = out / name
             print(f"[bench] {name}: {steps} steps on {args.nproc} workers ...", flush=True)
             t0 = time.perf_counter()
             before = cluster.link_bytes()
             diverged = train_on_cluster(
-                cluster, ["train", "--preset", args.preset, "--steps", str(steps), "--data", str(data),
-                          "--out", str(run_dir), "--no-progress", *method_args, *extra],
+                cluster, [*common, "--steps", str(steps), "--out", str(run_dir), *method_args, *extra],
                 run_dir, steps, timeout=args.timeout)
             after = cluster.link_bytes()
             wire[name] = (after[0] - before[0], after[1] - before[1])
@@ -194,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     # the report's ratios are against its first run: one that syncs, not compute-only
     ordered = sorted(runs, key=lambda d: d.name == "compute-only")
     table = markdown_table(report(ordered, out))
-    text = _bench_markdown(args, steps, runs, table, cluster)
+    text = _bench_markdown(args, steps, runs, table, cluster, share)
     if args.nodes and cluster.emulated:
         text += _nodes_markdown(runs, wire)
     (out / "bench.md").write_text(text)
@@ -203,12 +330,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], table: str, cluster: Cluster) -> str:
+def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], table: str, cluster: Cluster,
+                    share: SyncShare | None) -> str:
     loaded = [(d.name, *load_run(d)) for d in runs]
     sums = {n: summarize(n, c, r) for n, c, r in loaded}
     comm = {n: _mean_comm_time(r) for n, _, r in loaded}
-    # (compute-only's replicas drift apart: its loss is no target)
-    target = args.target_loss or max(s.final_val_loss for n, s in sums.items() if n != "compute-only")
+    target, chosen = resolve_target({n: s.final_val_loss for n, s in sums.items()}, args.target_loss,
+                                    args.target_loss_of)
     base = sums.get("none")
     compute = sums.get("compute-only")  # (its step time has no communication in it)
     lines = [
@@ -229,12 +357,20 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
             f"{'not reached' if math.isinf(ttt) else f'{ttt:.1f}'} |"
         )
     extra = [a for a in args.train_args if a != "--"]
-    link = "loopback, no limit" if args.loopback else f"{args.bandwidth} per link each way (tc tbf, namespaces)"
+    link = ("loopback, no limit" if not cluster.emulated else f"{cluster.bandwidth} per link each way (tc tbf, "
+            f"namespaces{f', for a {share.share:.0%} sync share' if share else ''})")
+    if cluster.cores:
+        link += f", each worker pinned to {len(cluster.cores[0])} core(s) of its own"
+    if args.emulated_device_ms:
+        link += f", emulated device time {args.emulated_device_ms:g} ms per block forward (x2 backward)"
     return (
         f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
         + (f"; every run with `{' '.join(extra)}`" if extra else "") + ".\n\n"
-        + "\n".join(lines) + "\n\n" + stage_table(loaded) + table
+        + "\n".join(lines) + "\n\n"
+        + _target_markdown(loaded, {n: s.final_val_loss for n, s in sums.items()}, target, chosen)
+        + (_share_markdown(share, sums.get("none")) if share else "")
+        + stage_table(loaded) + table
         + "\nStep and communication times leave out the first 5% of steps. Exposed comm is the step time minus "
         "the compute-only run's (no sync at all; its replicas drift apart, and its loss means nothing). "
         "Communication time is the time the gradient-sync hook waited for its collectives: all of it for "
@@ -242,6 +378,36 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
         "the backward pass did not hide.\n\n"
         "![loss](loss.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
+
+
+def _target_markdown(loaded: list[tuple[str, dict, list[dict]]], finals: dict[str, float], target: float,
+                     chosen: str) -> str:
+    """The time-to-target section: when and how soon each run (compute-only aside) first
+    reached `target`; when one never did, the same for the worst final loss too, which
+    every run that ended with a finite loss reached."""
+    def section(loss: float, how: str) -> tuple[str, bool]:
+        reached = {n: first_reached(r, loss) for n, _, r in loaded if n != "compute-only"}
+        return f"## Time to validation loss {loss:.4f} ({how})\n\n" + target_table(reached), None in reached.values()
+
+    text, missed = section(target, chosen)
+    worst, how = resolve_target(finals)
+    if missed and math.isfinite(worst) and worst != target:
+        text += ("\nNot every run reached it; the worst final loss, which every run reached (but one that "
+                 "diverged):\n\n" + section(worst, how)[0])
+    return text + ("\nTraining time is the summed step times (evaluation left out) up to the first evaluation at or "
+                   "below the target; a ratio is the row's time over the column's (below 1: the row's run got there "
+                   "sooner).\n\n")
+
+
+def _share_markdown(share: SyncShare, none: RunSummary | None) -> str:
+    """How --sync-share set the links, and the share the uncompressed run then measured."""
+    text = share.explain()
+    if none is not None:
+        measured = 1 - share.compute_s / none.mean_step_time
+        text += (f" Measured: none's mean step took {none.mean_step_time * 1e3:.1f} ms, so its sync (and whatever "
+                 f"else the links added to the compute-only step) took {measured:.0%} of it; TCP/IP framing, gloo's "
+                 "own work and the token bucket's bursts make this differ from the share asked for.")
+    return "## Link rate\n\n" + text + "\n\n"
 
 
 def _nodes_markdown(runs: list[Path], wire: dict[str, tuple[int, int]]) -> str:
