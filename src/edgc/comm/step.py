@@ -73,10 +73,11 @@ out non-finite, and a host read per bucket would stall a GPU. So the new error f
 and Q are written aside and committed at the end of the step only if every summed P and
 uncompressed buffer of the step was finite: a device flag, read once per step. Any
 replica's inf/nan makes a sum non-finite on every replica, so all replicas skip the commit
-alike. (The new error goes into the group's spare buffer, swapped in by the commit: no step
-allocates one; M_hat and a stacked M that has no place there reuse a workspace.) The average of such a step is non-finite too (an inf or nan in a P sum spreads to
+alike. The average of such a step is non-finite too (an inf or nan in a P sum spreads to
 its whole matrix through the orthogonalisation), the same on every replica, and the
-optimiser or GradScaler skips it.
+optimiser or GradScaler skips it. (The new error goes into the group's spare buffer,
+swapped in by the commit: no step allocates one; M_hat, and a stacked M that has no place
+there, reuse a workspace.)
 
 Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
 last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
