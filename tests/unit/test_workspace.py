@@ -103,3 +103,15 @@ def test_a_nonfinite_step_keeps_the_error_in_its_buffer():
         assert g.error.data_ptr() == ptr and torch.equal(g.error, error) and torch.equal(g.q, q)
     _step(sync, 4)  # the next finite step writes into the spare buffer again
     assert all(g.error.data_ptr() != kept[k][0] for k, g in sync.compression.groups.items())
+
+
+def test_a_state_dict_for_serialising_at_once_holds_the_live_tensors():
+    sync = GradientSync(None, EDGCConfig(**STATIC), eager=True)
+    sync.declare(LAYOUT, [torch.float64, torch.float64])
+    for step in (1, 2):
+        _step(sync, step)
+    live = [g.error for g in sync.compression.groups.values()]
+    copied = [g["error"] for g in sync.state_dict()["compression"]["groups"]]
+    shared = [g["error"] for g in sync.state_dict(copy=False)["compression"]["groups"]]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(live, copied, strict=True))
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(live, shared, strict=True))

@@ -266,8 +266,14 @@ class CompressionState:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def state_dict(self) -> dict[str, Any]:
-        """Slots, groups (as CPU tensors), the plan and the generator."""
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """Slots, groups (as CPU tensors), the plan and the generator. `copy` False: the
+        CPU tensors are the live ones, not copies, for a caller that serialises the dict
+        at once (edgc.fsdp): the next step overwrites them (the error's buffers swap)."""
+        def cpu(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            return t.clone() if copy else t
+
         return {
             "slot_shapes": [list(s) for s in self.slot_shapes],
             "uncompressed_slots": list(self.uncompressed_slots),
@@ -277,9 +283,9 @@ class CompressionState:
                     "shape": list(g.shape),
                     "dtype": str(g.dtype).removeprefix("torch."),
                     "slots": list(g.slots),
-                    "q": g.q.detach().cpu().clone(),
-                    "error": None if g.error is None else g.error.detach().cpu().clone(),
-                    "p": None if g.p is None else g.p.detach().cpu().clone(),
+                    "q": cpu(g.q),
+                    "error": None if g.error is None else cpu(g.error),
+                    "p": None if g.p is None else cpu(g.p),
                 }
                 for g in self.groups.values()
             ],
