@@ -119,7 +119,7 @@ class EDGCFSDPState:
         """{"format", "layout": [replicate, shard], "rank<global rank>": this process's
         compression state as bytes}: see the module doc."""
         blob = io.BytesIO()
-        torch.save(self.sync.state_dict(), blob)
+        torch.save(self.sync.state_dict(copy=False), blob)  # (serialised here: no copy of the error first)
         return {"format": _FORMAT, "layout": list(self.layout), self._key(): blob.getvalue()}
 
     def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True) -> None:

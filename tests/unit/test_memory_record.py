@@ -23,8 +23,10 @@ def test_state_mb_counts_parameters_optimiser_and_compression_state(alternate, s
     groups = list(state.sync.compression.groups.values())
     assert len(groups) == 2
     size = 2 if state_dtype == "bf16" else 4
-    # per matrix (m x n at rank 4): Q (n x 4), the error feedback (m x n) and, alternating, P (m x 4)
-    compression = sum(size * (n * 4 + m * n + (m * 4 if alternate else 0)) for m, n in ((24, 32), (16, 24)))
+    # per matrix (m x n at rank 4): Q (n x 4), the error feedback's two buffers (m x n each)
+    # and, alternating, P (m x 4); and the step's workspace
+    compression = sum(size * (n * 4 + 2 * m * n + (m * 4 if alternate else 0)) for m, n in ((24, 32), (16, 24)))
+    compression += state.sync.compression.workspace.nbytes
     params = sum(p.numel() * 4 for p in model.parameters())
     record = memory_record(3, model, opt, state, torch.device("cpu"))
     held = round(record["state_mb"] * 1e6)

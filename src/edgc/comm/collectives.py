@@ -38,8 +38,13 @@ __all__ = ["Collectives", "Issued"]
 
 logger = logging.getLogger(__name__)
 
-#: How many of the latest collectives' handles are kept (Collectives.recent_works).
-_RECENT_WORKS = 256
+#: How many of the latest collectives' handles are kept (Collectives.recent_works). A
+#: handle holds the tensors it reduced (gloo keeps them for `result()`), so every handle
+#: kept keeps its buffer alive: 256 held up to a few dozen steps' worth of flat buffers and
+#: factors (most of edgc's extra resident memory under HSDP, where every module's buffer is
+#: a collective of its own). Only the last few can still be referenced by a gloo thread
+#: when the process ends.
+_RECENT_WORKS = 16
 
 
 @dataclass

@@ -10,8 +10,10 @@ Groups. Once compression starts, the compressible matrices are grouped by shape 
 dtype (edgc.comm.units.Group), each group with its warm-start Q, replica-identical, and
 its error feedback, this replica's own. Both are held in the working dtype (float32 for
 half-precision gradients), or in bf16 with EDGCConfig.state_dtype "bf16" (the step still
-works in the working dtype, and rounds the new values as it keeps them). The generator
-that draws Q is seeded alike on every replica.
+works in the working dtype, and rounds the new values as it keeps them). The error
+feedback has two buffers, swapped at each commit, and the step's large temporaries live in
+a `Workspace` (edgc.comm.workspace): a step allocates none of them once the first
+compressed step has. The generator that draws Q is seeded alike on every replica.
 
 The plan. `units` is DDP's bucket layout of the last step that had several buckets, as
 slots (edgc.comm.step, "The plan"); kept in checkpoints so that a resumed job cuts its
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from edgc.comm.units import Group, UnitPlan, unit_plan, working_dtype
+from edgc.comm.workspace import Workspace
 from edgc.compress import compressible, draw_q, resize_q
 from edgc.entropy import sample_offsets
 
@@ -58,6 +61,7 @@ class CompressionState:
         self._sample_at: tuple[float, list[int], torch.dtype] | None = None
         self.residual_pending = False  # the error feedback may hold a residual not yet sent
         self.p_next = True  # alternating (EDGCConfig.alternate): the next compressed step computes P
+        self.workspace = Workspace()  # a step's large temporaries, reused across units and steps
         # a loaded state, until the tensors are seen: the shapes to check and the groups to restore
         self.expected_shapes: list[tuple[int, ...]] | None = None
         self.pending_groups: list[dict[str, Any]] | None = None
@@ -248,8 +252,8 @@ class CompressionState:
         `dead_counts` of them), which would stay zero forever. Q is replica-identical after
         its all-reduce, so every replica redraws the same ones."""
         for c, g in enumerate(self.groups.values()):
-            if g.error is not None:
-                g.error = next_error[c]
+            if g.error is not None:  # (the spare buffer the step wrote: the two swap)
+                g.error, g.spare = next_error[c], g.error
             g.q = next_q[c]
             if next_p is not None:
                 g.p = next_p[c]
@@ -262,8 +266,14 @@ class CompressionState:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def state_dict(self) -> dict[str, Any]:
-        """Slots, groups (as CPU tensors), the plan and the generator."""
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """Slots, groups (as CPU tensors), the plan and the generator. `copy` False: the
+        CPU tensors are the live ones, not copies, for a caller that serialises the dict
+        at once (edgc.fsdp): the next step overwrites them (the error's buffers swap)."""
+        def cpu(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            return t.clone() if copy else t
+
         return {
             "slot_shapes": [list(s) for s in self.slot_shapes],
             "uncompressed_slots": list(self.uncompressed_slots),
@@ -273,9 +283,9 @@ class CompressionState:
                     "shape": list(g.shape),
                     "dtype": str(g.dtype).removeprefix("torch."),
                     "slots": list(g.slots),
-                    "q": g.q.detach().cpu().clone(),
-                    "error": None if g.error is None else g.error.detach().cpu().clone(),
-                    "p": None if g.p is None else g.p.detach().cpu().clone(),
+                    "q": cpu(g.q),
+                    "error": None if g.error is None else cpu(g.error),
+                    "p": None if g.p is None else cpu(g.p),
                 }
                 for g in self.groups.values()
             ],

@@ -75,7 +75,9 @@ uncompressed buffer of the step was finite: a device flag, read once per step. A
 replica's inf/nan makes a sum non-finite on every replica, so all replicas skip the commit
 alike. The average of such a step is non-finite too (an inf or nan in a P sum spreads to
 its whole matrix through the orthogonalisation), the same on every replica, and the
-optimiser or GradScaler skips it.
+optimiser or GradScaler skips it. (The new error goes into the group's spare buffer,
+swapped in by the commit: no step allocates one; M_hat, and a stacked M that has no place
+there, reuse a workspace.)
 
 Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
 last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
@@ -419,15 +421,15 @@ class StepSync:
         work = working_dtype(g.dtype)
         views = [self.grads[s].view(g.shape) for s in part.slots]
         if g.error is None:
-            m = torch.stack(views).to(work)  # (B', m, n)
+            m = self._stack(part.column, views, work)  # (B', m, n)
         else:
             if part.column not in self.next_error:
-                self.next_error[part.column] = torch.empty_like(g.error)
+                self.next_error[part.column] = g.spare_error()  # (swapped in at the commit)
             if _in_place(part, g):
                 m = self.next_error[part.column][index]  # (B', m, n), a view
                 torch.stack(views, out=m)
             else:
-                m = torch.stack(views).to(work)
+                m = self._stack(part.column, views, work)
             old = g.error[index] if isinstance(index, slice) else g.error.index_select(0, index)
             m.add_(old, alpha=info.scale)  # (the residual is kept unscaled)
         q_in = (g.q[index] if isinstance(index, slice) else g.q.index_select(0, index)).to(work)
@@ -440,6 +442,14 @@ class StepSync:
         assert g.p is not None  # (kept since the step that compressed first, which computes P)
         p_in = (g.p[index] if isinstance(index, slice) else g.p.index_select(0, index)).to(work)
         return _Part(part, m, q_in, orthogonalize_(p_in.clone()))
+
+    def _stack(self, column: int, views: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
+        """A part's matrices stacked, (B', m, n) in the working dtype. Eager (one unit in
+        flight at a time, a part per group): into the group's workspace buffer."""
+        if not self.eager or views[0].dtype != work:
+            return torch.stack(views).to(work)
+        into = self.compression.workspace.take(f"m{column}", (len(views), *views[0].shape), work, views[0].device)
+        return torch.stack(views, out=into)
 
     def _sum_factor(self, flat: torch.Tensor) -> Issued:
         """Issue the sum of a factor buffer over the replicas, in the wire format."""
@@ -490,8 +500,14 @@ class StepSync:
                 if part.q_send is not part.q:
                     part.q.copy_(part.q_send)
                 part.q.div_(world)
-            m_hat = reconstruct(part.p, part.q)  # (B', m, n), working dtype
-            for i, s in enumerate(part.plan.slots):
+            # M_hat (B', m, n): straight into the gradient when it is one matrix in the
+            # working dtype, else into the workspace and copied out
+            first = self.grads[part.plan.slots[0]]
+            direct = len(part.plan.slots) == 1 and first.dtype == part.p.dtype and first.is_contiguous()
+            ws = self.compression.workspace
+            m_hat = reconstruct(part.p, part.q, out=first.view(part.m.shape) if direct else
+                                ws.take("m_hat", tuple(part.m.shape), part.p.dtype, part.p.device))
+            for i, s in enumerate([] if direct else part.plan.slots):
                 self.grads[s].copy_(m_hat[i].view(self.grads[s].shape))
             if g.error is not None:
                 error_feedback_(part.m, m_hat)

@@ -227,10 +227,12 @@ class GradientSync:
             noise_scale=self.noise_scale,
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """Everything mutable, so that load_state_dict continues exactly (CPU tensors;
         edgc.comm.state_format). It records this replica's rank: error-feedback buffers
-        are per replica, so a checkpoint holds one state per replica."""
+        are per replica, so a checkpoint holds one state per replica. `copy` False: the
+        error feedback and Q are the live CPU tensors, for a caller that serialises the
+        dict before the next step (CompressionState.state_dict)."""
         if self.collectives.bound is None and self._loaded is not None:
             return self._loaded  # loaded but not stepped yet: pass it on unchanged
         return {
@@ -239,7 +241,7 @@ class GradientSync:
             "step": self.step, "phase": self.phase, "applied_rank": self.applied_rank,
             "stage_uncompressed": self.stage_uncompressed, "step_phase": self.step_phase,
             "step_rank": self.step_rank, "r_min": self.r_min, "r_max": self.r_max,
-            "compression": self.compression.state_dict(),
+            "compression": self.compression.state_dict(copy=copy),
             "policy": {"name": self.config.policy, "state": self.policy.state_dict()},
             "entropy": self.entropy_window.state_dict(),
             "window_gradient": self.window_gradient.state_dict(),

@@ -34,6 +34,16 @@ class Group:
     error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
     dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
     p: torch.Tensor | None = None  # (B, m, r) alternating (EDGCConfig.alternate): the last P, replica-identical
+    spare: torch.Tensor | None = None  # (B, m, n) the error's second buffer: a step writes the new error here
+
+    def spare_error(self) -> torch.Tensor:
+        """The buffer a step writes the new error feedback into (its contents are
+        stale): the error's second buffer, allocated once and swapped with the error at
+        each commit (CompressionState.commit), so that no step allocates a new one."""
+        assert self.error is not None  # (only groups that keep an error feedback)
+        if self.spare is None or self.spare.shape != self.error.shape or self.spare.dtype != self.error.dtype:
+            self.spare = torch.empty_like(self.error)
+        return self.spare
 
     @property
     def key(self) -> tuple[int, int, str]:

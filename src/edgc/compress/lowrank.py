@@ -71,9 +71,9 @@ def project_q(m: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None)
     return torch.bmm(m.transpose(1, 2), p, out=out)
 
 
-def reconstruct(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """M_hat = P Q^T: (B, m, r) @ (B, r, n) -> (B, m, n)."""
-    return torch.bmm(p, q.transpose(1, 2))
+def reconstruct(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """M_hat = P Q^T: (B, m, r) @ (B, r, n) -> (B, m, n), written to `out` when given."""
+    return torch.bmm(p, q.transpose(1, 2), out=out)
 
 
 def error_feedback_(m: torch.Tensor, m_hat: torch.Tensor) -> torch.Tensor:

@@ -529,19 +529,20 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
                   device: torch.device) -> dict[str, Any]:
     """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
     "state_mb", the bytes it holds of the parameters, the optimiser state and the
-    compression state (error feedback, Q and, alternating, P), each as stored here (a sharded model's
-    local shards); "peak_mb", the peak CUDA memory allocated, or on the CPU the process's
-    peak resident set."""
+    compression state (error feedback and Q), each as stored here (a sharded model's
+    local shards), with the compression state's spare error buffer and workspace; "peak_mb",
+    the peak CUDA memory allocated, or on the CPU the process's peak resident set."""
     def local(t: Any) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
     held = sum(local(p) for p in model.parameters())
     held += sum(local(v) for state in opt.state.values() for v in state.values())
-    sync = getattr(hook_state, "sync", hook_state)  # (the DDP and FSDP states hold their core)
+    sync = getattr(hook_state, "sync", hook_state)  # (edgc's DDP and FSDP states hold their core)
     compression = getattr(sync, "compression", None)
-    for g in getattr(compression, "groups", {}).values():
-        held += sum(local(t) for t in (g.q, g.error, g.p) if t is not None)
+    for g in getattr(compression, "groups", {}).values():  # (Q, the error's two buffers, P)
+        held += sum(local(t) for t in (g.q, g.error, g.spare, g.p) if t is not None)
+    held += getattr(getattr(compression, "workspace", None), "nbytes", 0)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:

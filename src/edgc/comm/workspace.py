@@ -1,0 +1,48 @@
+"""Scratch buffers a step reuses across units and steps, instead of allocating afresh.
+
+A compressed step needs, per unit and group, temporaries as large as the matrices it
+compresses: the reconstruction M_hat = P Q^T (B', m, n) and, where M cannot be written
+into the error feedback's spare buffer, M itself. Allocated per unit, every step, they are
+the step's largest allocations after the gradient itself; on the CPU the allocator
+(glibc malloc) keeps much of what such a stream of large, short-lived blocks frees, and
+the process's resident set grows well beyond what is live at any time. A `Workspace`
+keeps one flat buffer per name, dtype and device, grown to the largest request seen and
+handed out as views: after the first compressed step a step allocates none of them.
+
+A view is valid until the next `take` of the same name: the caller uses one name per
+temporary that can be alive at the same time as another of its kind.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["Workspace"]
+
+
+class Workspace:
+    """Named scratch buffers, reused: `take` returns a view of the requested shape."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of `shape` (uninitialised), a view of the buffer `name`;
+        the buffer is replaced by a larger one when it is too small."""
+        key = (name, dtype, torch.device(device))
+        numel = math.prod(shape)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < numel:
+            flat = self._flat[key] = torch.empty(numel, dtype=dtype, device=device)
+        return flat[:numel].view(shape)
+
+    def clear(self) -> None:
+        """Drop every buffer (they are allocated again when next needed)."""
+        self._flat = {}
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffers hold."""
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
