@@ -122,6 +122,7 @@ from edgc.entropy import sample_into
 
 __all__ = ["StepInfo", "StepResult", "StepSync"]
 
+
 @dataclass
 class StepInfo:
     """The plan of a step: what the synchroniser decided at its start (GradientSync.begin_step)."""
@@ -430,9 +431,8 @@ class StepSync:
                 torch.stack(views, out=m)
             else:
                 m = self._stack(part.column, views, work)
-            old = g.error[index] if isinstance(index, slice) else g.error.index_select(0, index)
-            m.add_(old, alpha=info.scale)  # (the residual is kept unscaled)
-        q_in = (g.q[index] if isinstance(index, slice) else g.q.index_select(0, index)).to(work)
+            m.add_(_take(g.error, index), alpha=info.scale)  # (the residual is kept unscaled)
+        q_in = _take(g.q, index).to(work)
         # (.to: Q kept in bf16 is worked on in the working dtype)
         if self.side is None:
             return _Part(part, m, q_in)
@@ -440,7 +440,7 @@ class StepSync:
         if self.side == 0:
             return _Part(part, m, orthogonalize_(q_in.clone()))
         assert g.p is not None  # (kept since the step that compressed first, which computes P)
-        p_in = (g.p[index] if isinstance(index, slice) else g.p.index_select(0, index)).to(work)
+        p_in = _take(g.p, index).to(work)
         return _Part(part, m, q_in, orthogonalize_(p_in.clone()))
 
     def _stack(self, column: int, views: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
@@ -519,10 +519,9 @@ class StepSync:
                 self.next_q[part.plan.column] = torch.empty_like(g.q)
             _put(self.next_q[part.plan.column], index, part.q)
             if self.side is not None:
-                if part.plan.column not in self.next_p:
-                    kept = g.q.dtype
+                if part.plan.column not in self.next_p:  # (kept in Q's dtype)
                     self.next_p[part.plan.column] = torch.empty((len(g.slots), g.shape[0], g.q.shape[-1]),
-                                                                dtype=kept, device=g.q.device)
+                                                                dtype=g.q.dtype, device=g.q.device)
                 _put(self.next_p[part.plan.column], index, part.p)
         for flat, slots in r.flats:
             flat.div_(world)
@@ -573,6 +572,11 @@ def _in_place(part: PartPlan, g: Group) -> bool:
     """Whether a part's M is computed where its group's new error feedback lives: its
     positions in the group are consecutive and the error is kept in the working dtype."""
     return isinstance(part.index, slice) and g.error is not None and g.error.dtype == working_dtype(g.dtype)
+
+
+def _take(t: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """t[index] along the group's matrices: a view for a slice, a copy for an index tensor."""
+    return t[index] if isinstance(index, slice) else t.index_select(0, index)
 
 
 def _put(into: torch.Tensor, index: slice | torch.Tensor, values: torch.Tensor) -> None:
