@@ -180,12 +180,12 @@ class EDGCConfig:
     the float order of the sums, so a resumed run may change it. A finite number >= 0;
     "whole-step" ignores it."""
 
-    wire: str = "native"
-    """The format the low-rank factors P and Q travel in (edgc.comm.wire): "native" (the
-    gradient's own dtype), "bf16", "int8" or "fp8" (one byte an element, with a float32
-    scale per block of 128, summed by a reduce-scatter and an all-gather). Tensors sent
-    whole always travel in their own dtype; the error feedback keeps what the rounding
-    loses. docs/config.md says which to choose."""
+    wire: str = "int8"
+    """The format what a step sums travels in (edgc.comm.wire): the factors P and Q and
+    the tensors sent whole. "int8" (the default) or "fp8": one byte an element, with a
+    float32 scale per block of 128, summed by a reduce-scatter and an all-gather; "bf16";
+    "native" (the gradient's own dtype, as torch's PowerSGD hook sends). The error
+    feedback keeps what the factors' rounding loses. docs/config.md says why int8."""
 
     alternate: bool = False
     """One round trip per compressed step instead of two (after ACP-SGD): each step
@@ -342,7 +342,8 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
 #: 0.1 had no effect before they existed ("whole-step" was the only sync mode, and the
 #: warm-up was fixed).
 _V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False,
-                                "wire": "native", "state_dtype": "native", "alternate": False}
+                                "wire": "native", "state_dtype": "native", "alternate": False,
+                                "noise_exponent": 0.5}
 #: edgc 0.1's flat names whose 0.2 name differs (the rest keep theirs: noise_exponent, ...).
 _V1_RENAMED = {"lr_drop_factor": "critical_lr_drop_factor", "entropy_smoothing": "cqm_smoothing",
                "rank_schedule": "schedule_ranks"}

@@ -53,7 +53,7 @@ def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
 def test_resume_continues_exactly(tmp_path, data_dir):
     common = ["--method", "edgc", "--steps", "16", "--eval-every", "4", "--checkpoint-every", "8",
               "--edgc-warmup-steps", "3", "--edgc-window", "2", "--edgc-iteration-sample-rate", "1.0",
-              "--edgc-max-rank", "8", "--edgc-min-rank", "2"]
+              "--edgc-max-rank", "8", "--edgc-min-rank", "2", "--edgc-noise-exponent", "0.5"]
     straight = tmp_path / "straight"
     assert main(_args(data_dir, straight, *common)) == 0
     # Stop after 7 steps (mid-window, after a checkpoint-free stretch), then resume to 16.

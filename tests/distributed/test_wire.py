@@ -1,17 +1,21 @@
-"""The wire formats of the factors (EDGCConfig.wire) on 2 gloo processes: what is sent plus
+"""The wire formats (EDGCConfig.wire) on 2 gloo processes: what is sent plus
 what is kept equals the input, replicas stay bit-identical and resume exactly, and a
 non-finite step is skipped alike on every replica."""
+
+import math
 
 import pytest
 import torch
 
 import wire_workers
 import workers
+from edgc.comm.wire import BLOCK, quantized_bytes
 from harness import run_workers
 from test_hook_ddp import DYNAMIC
 
 FORMATS = ("bf16", "int8", "fp8")
-# what the invariant's run sends whole in 6 steps: its first step and 5 biases, in float64
+# what the invariant's run sends whole in 6 steps in float64: its first step and 5 biases
+# (fewer in the other formats)
 WHOLE_BYTES = 8 * (sum(a * b for a, b in wire_workers.SHAPES[:3]) + 9 * 6)
 
 
@@ -38,8 +42,30 @@ def test_quantized_factors_are_sent_rounded_and_count_fewer_bytes():
         first = zip(out["sent"][:3], native["sent"][:3], strict=True)
         close = max(float((a - b).abs().max() / b.abs().max()) for a, b in first)
         assert close < near, f"{wire}: the first averages sent differ from float64's by {close}"
-        # (the uncompressed warm-up step and the bias travel whole, in float64, in both)
+        # (the uncompressed warm-up step and the bias travel whole: fewer bytes than float64's too)
         assert out["bytes"] < most * native["bytes"] + WHOLE_BYTES
+
+
+@pytest.mark.parametrize("wire", ["native", *FORMATS])
+def test_tensors_sent_whole_travel_in_the_wire_format(wire):
+    # an uncompressed step: every tensor whole, each starting a block of its own
+    out = run_workers(wire_workers.whole_tensors, 2, wire)
+    assert out[0]["rank"] == 0
+    assert torch.equal(out[0]["averages"], out[1]["averages"])  # one sum on every replica
+    sizes = [math.prod(s) for s in wire_workers.SHAPES]
+    if wire == "native":
+        assert out[0]["worst"] < 1e-15
+        assert out[0]["bytes"] == 8 * sum(sizes)
+    elif wire == "bf16":
+        assert 0 < out[0]["worst"] < 2**-7
+        assert out[0]["bytes"] == 2 * sum(sizes)
+    else:
+        # each tensor's blocks are its own: every one keeps its own precision although
+        # their magnitudes are 10^2 apart (int8: 2 roundings of 1/254 of a block's largest)
+        assert 0 < out[0]["worst"] < (0.01 if wire == "int8" else 0.1)
+        # about a byte an element (and a scale a block), in each bucket's buffer
+        padded = sum(n + (-n % BLOCK) for n in sizes)
+        assert quantized_bytes(padded, 2) <= out[0]["bytes"] < 1.1 * quantized_bytes(padded, 2)
 
 
 @pytest.mark.parametrize("wire", FORMATS)

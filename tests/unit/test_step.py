@@ -11,7 +11,8 @@ from edgc.comm.units import Group, coarse_units, slot_wire_bytes
 
 # slots 0-3: four (8, 6) matrices, one group; 4-5: two (5, 7); 6: a bias
 SHAPES = [(8, 6), (8, 6), (8, 6), (8, 6), (5, 7), (5, 7), (7,)]
-STATIC = dict(policy="static", max_rank=2, warmup_steps=1, min_compression_rate=1.0)
+STATIC = dict(policy="static", max_rank=2, warmup_steps=1, min_compression_rate=1.0,
+              wire="native")  # (one all-reduce a buffer: the issue order below counts elements)
 
 
 def _params():
@@ -112,13 +113,16 @@ def test_units_across_groups_give_the_whole_step_result(units):
         assert piped.sync.compression.units == [tuple(b) for b in layout]  # DDP's layout replaced the plan
 
 
-def test_wire_bytes_per_slot_count_the_factors_at_the_gradient_s_element_size():
+def test_wire_bytes_per_slot_in_each_format():
     dtypes = [torch.float64] * 4 + [torch.bfloat16] * 2 + [torch.float32]
     # a bf16 group works in float32 (its Q), but P and Q travel in bf16: 2 bytes an element
     groups = [Group((8, 6), [0, 1, 2, 3], torch.zeros(4, 6, 2, dtype=torch.float64), None, torch.float64),
               Group((5, 7), [4, 5], torch.zeros(2, 7, 3), None, torch.bfloat16)]
     assert slot_wire_bytes(SHAPES, dtypes, groups) == [(8 + 6) * 2 * 8] * 4 + [(5 + 7) * 3 * 2] * 2 + [7 * 4]
     assert slot_wire_bytes(SHAPES, dtypes, []) == [48 * 8] * 4 + [35 * 2] * 2 + [7 * 4]  # an uncompressed step
+    # int8: a byte an element and a 4-byte scale a block of 128, for factors and whole tensors alike
+    assert slot_wire_bytes(SHAPES, dtypes, groups, "int8") == [28 + 4] * 4 + [36 + 4] * 2 + [7 + 4]
+    assert slot_wire_bytes(SHAPES, dtypes, [], "int8") == [48 + 4] * 4 + [35 + 4] * 2 + [7 + 4]
 
 
 def test_coarse_units_merge_consecutive_units_until_the_threshold():

@@ -51,7 +51,8 @@ _RECENT_WORKS = 16
 class Issued:
     """An issued collective: its work handle (None: already done); for a CPU tensor
     reduced on the device, (device copy, CPU tensor) to copy back after the wait; for the
-    first half of a quantized sum, the function that completes it after the wait."""
+    first half of a quantized sum (or a sum of a copy), the function that completes it
+    after the wait (it returns the handle of any collective it issued, or None)."""
 
     work: Any
     back: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -210,6 +211,20 @@ class Collectives:
         self.recent_works.append(work)
         return Issued(work, then=finish)
 
+    def all_reduce_as(self, flat: torch.Tensor, dtype: torch.dtype) -> Issued:
+        """Start summing `flat` over the process group as a copy in `dtype` (the "bf16"
+        wire's tensors sent whole); the sum is copied back into `flat` at the wait. Counts
+        the copy's bytes as sent."""
+        send = flat.to(dtype)
+        issued = self.all_reduce(send, async_op=True)
+        if issued.work is None:
+            return issued
+
+        def back() -> None:
+            flat.copy_(send)
+
+        return Issued(issued.work, then=back)
+
     def wait(self, issued: list[Issued], step_comm: LapSum | None = None) -> None:
         """Wait for async collectives; the time spent waiting counts once as communication
         (in the pipelined mode, that is the part not hidden behind the backward pass; on
@@ -222,7 +237,9 @@ class Collectives:
             i.work.wait()
         for i in pending:
             if i.then is not None:  # (a quantized sum's all-gather, issued and waited for here)
-                self.recent_works.append(i.then())
+                done = i.then()
+                if done is not None:
+                    self.recent_works.append(done)
         lap.stop()
         self.comm.add(lap)
         if step_comm is not None:

@@ -116,7 +116,7 @@ from edgc.comm.units import (
     slot_wire_bytes,
     working_dtype,
 )
-from edgc.comm.wire import codec
+from edgc.comm.wire import BLOCK, codec
 from edgc.compress import compressible, error_feedback_, orthogonalize_, project_p, project_q, reconstruct
 from edgc.entropy import sample_into
 
@@ -212,7 +212,8 @@ class StepSync:
         self.eager = eager
         self.whole = config.sync_mode == "whole-step" and not eager
         self.wire = config.wire
-        self.code = codec(config.wire)  # (None: the factors are all-reduced in a float dtype)
+        self.code = codec(config.wire)  # (None: summed by all-reduce in a float dtype)
+        self.align = BLOCK if self.code is not None else 1  # (a quantized block never spans two tensors)
         # alternating (EDGCConfig.alternate): which factor this step computes and sums,
         # 0: P (against the kept Q), 1: Q (against the kept P); None: both, in two rounds
         self.side = (0 if compression.p_next else 1) if config.alternate and info.compressed else None
@@ -382,7 +383,7 @@ class StepSync:
     def _start(self, unit: tuple[int, ...]) -> _Round:
         """M and P of a unit, and its first collectives."""
         plan = self.compression.unit_plan(unit, self.groups, self.device)
-        r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed))
+        r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed, self.align))
         r.parts = [self._project_p(part) for part in plan.parts]
         if r.parts and self.side is not None:
             self._start_alternate(r)
@@ -393,10 +394,10 @@ class StepSync:
                 project_p(part.m, part.q_in, out=p)
                 if send is not p:
                     send.copy_(p)  # (to the wire dtype)
-        # collectives: all-reduce SUM of the unit's uncompressed tensors (numel * element_size
-        # bytes), then of its P ((m*r) per matrix), one buffer per dtype each
-        r.works = [self.collectives.all_reduce(flat, async_op=True) for flat, _ in r.flats]
-        r.works += [self._sum_factor(flat) for flat in r.p_flats]
+        # collectives: sum of the unit's uncompressed tensors (numel elements), then of its
+        # P ((m*r) per matrix), one buffer per dtype each, in the wire format
+        r.works = [self._sum(flat) for flat, _ in r.flats]
+        r.works += [self._sum(flat) for flat in r.p_flats]
         return r
 
     def _start_alternate(self, r: _Round) -> None:
@@ -451,11 +452,14 @@ class StepSync:
         into = self.compression.workspace.take(f"m{column}", (len(views), *views[0].shape), work, views[0].device)
         return torch.stack(views, out=into)
 
-    def _sum_factor(self, flat: torch.Tensor) -> Issued:
-        """Issue the sum of a factor buffer over the replicas, in the wire format."""
-        if self.code is None:
-            return self.collectives.all_reduce(flat, async_op=True)
-        return self.collectives.quantized_sum(flat, self.code)
+    def _sum(self, flat: torch.Tensor) -> Issued:
+        """Issue the sum of a buffer (factors, or tensors sent whole) over the replicas, in
+        the wire format: quantized, rounded to bf16, or as it is."""
+        if self.code is not None:
+            return self.collectives.quantized_sum(flat, self.code)
+        if self.wire == "bf16" and flat.dtype != torch.bfloat16:
+            return self.collectives.all_reduce_as(flat, torch.bfloat16)
+        return self.collectives.all_reduce(flat, async_op=True)
 
     def _finish_p(self, r: _Round) -> None:
         """Wait for a unit's P; orthogonalise it, project Q and issue Q's all-reduce."""
@@ -475,7 +479,7 @@ class StepSync:
             if send is not q:
                 send.copy_(q)
         # collectives: all-reduce SUM of the unit's Q ((n*r) per matrix), one buffer per dtype
-        r.works = [self._sum_factor(flat) for flat in r.q_flats]
+        r.works = [self._sum(flat) for flat in r.q_flats]
         r.call = self.call
         self.in_q.append(r)
 
@@ -525,7 +529,7 @@ class StepSync:
                 _put(self.next_p[part.plan.column], index, part.p)
         for flat, slots in r.flats:
             flat.div_(world)
-            scatter(flat, [self.grads[s] for s in slots])
+            scatter(flat, [self.grads[s] for s in slots], self.align)
         if self.average is not None:
             rate = self.config.gradient_sample_rate
             for s in r.plan.slots:

@@ -60,23 +60,33 @@ def dtype_order(dtypes: Any) -> list[torch.dtype]:
     return sorted(set(dtypes), key=str)
 
 
-def flatten_by_dtype(tensors: Any, order: Sequence[int]) -> list[tuple[torch.Tensor, list[int]]]:
+def flatten_by_dtype(tensors: Any, order: Sequence[int], align: int = 1) -> list[tuple[torch.Tensor, list[int]]]:
     """The tensors at positions `order` (of a list, or keys of a dict), flattened into one
     buffer per dtype (dtypes in a fixed order); returns (flat buffer, positions it holds)
-    pairs. The buffers are copies."""
+    pairs. The buffers are copies. `align` > 1: each tensor starts at a multiple of `align`
+    elements, the gaps zero (a quantized wire's blocks then never hold two tensors)."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i in order:
         by_dtype.setdefault(tensors[i].dtype, []).append(i)
-    return [(torch.cat([tensors[i].reshape(-1) for i in by_dtype[d]]), by_dtype[d]) for d in dtype_order(by_dtype)]
+    flats = []
+    for d in dtype_order(by_dtype):
+        pieces = []
+        for i in by_dtype[d]:
+            t = tensors[i].reshape(-1)
+            pad = -t.numel() % align
+            pieces.append(t if pad == 0 else torch.nn.functional.pad(t, (0, pad)))
+        flats.append((torch.cat(pieces), by_dtype[d]))
+    return flats
 
 
-def scatter(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of `flat` into the tensors `outs`."""
+def scatter(flat: torch.Tensor, outs: list[torch.Tensor], align: int = 1) -> None:
+    """Copy consecutive pieces of `flat` into the tensors `outs` (each piece starting at a
+    multiple of `align` elements, as flatten_by_dtype lays them out)."""
     offset = 0
     for t in outs:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
+        offset += n + (-n % align)
 
 
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
@@ -84,9 +94,10 @@ def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequenc
     """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
     of P and Q; alternating, m * r for P's step, `side` 0, or n * r for Q's, 1) for a
     matrix of `groups`, r being its group's q.shape[-1], in wire format `wire`
-    (edgc.comm.wire.wire_bytes), and numel elements at the element size of the slot's
-    gradient dtype for any other slot. `groups` empty: a step sent uncompressed."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
+    (edgc.comm.wire.wire_bytes), and numel elements in that format for any other slot
+    (sent whole). `groups` empty: a step sent uncompressed."""
+    sizes = [wire_bytes(math.prod(shape), dtype.itemsize, wire) for shape, dtype in zip(slot_shapes, slot_dtypes,
+                                                                                          strict=True)]
     for g in groups:
         for s in g.slots:
             rows = sum(g.shape) if side is None else g.shape[side]

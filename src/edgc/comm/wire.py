@@ -1,10 +1,10 @@
-"""The wire format of the low-rank factors P and Q (EDGCConfig.wire), and the quantized sum.
+"""The wire format of what a step sums (EDGCConfig.wire), and the quantized sum.
 
 Formats:
-- "native": the factors travel in the gradient's own dtype (float32 gradients: 4 bytes an
+- "native": buffers travel in the gradient's own dtype (float32 gradients: 4 bytes an
   element; bf16 or fp16 gradients: 2), summed by one all-reduce.
-- "bf16": the factors are rounded to bfloat16 and summed by one all-reduce (2 bytes).
-- "int8", "fp8": the factors are quantized to one byte an element, in blocks of
+- "bf16": buffers are rounded to bfloat16 and summed by one all-reduce (2 bytes).
+- "int8", "fp8": buffers are quantized to one byte an element, in blocks of
   `BLOCK` consecutive elements with one float32 scale each (absmax / 127 for int8's
   round-to-nearest codes, absmax / 448 for float8 e4m3's), and summed as quantized
   all-reduces are built, in two collectives:
@@ -22,11 +22,16 @@ Formats:
   element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
   buffer of that many bytes would.
 
-Only the factors change format. Tensors sent whole (biases, norms, any matrix too small
-to compress, and every tensor of an uncompressed step) travel in their own dtype. The
-error feedback absorbs what the rounding loses: it is M minus the reconstruction from the
-factors as they arrived, summed and dequantized (edgc.comm.step), so what was sent plus
-what is kept equals the input, in any format.
+Everything a step sums over the replicas travels in the format: the factors, and the
+tensors sent whole (biases, norms, any matrix too small to compress, and every tensor of
+an uncompressed step such as the warm-up's), which a quantized format lays out so that
+each one starts a block of its own. Only the control values (a few float64) never change.
+
+For the factors, the error feedback absorbs what the rounding loses: it is M minus the
+reconstruction from the factors as they arrived, summed and dequantized (edgc.comm.step),
+so what was sent plus what is kept equals the input, in any format. A tensor sent whole
+keeps no error feedback: its rounding, at most half a code step (1/254 of its block's
+largest magnitude for int8, twice), is lost, as in quantized all-reduces of gradients.
 
 A sum that is inf or nan stays so: a block holding one has a non-finite scale, which makes
 every element of the block non-finite when dequantized, on every replica, so the step's
