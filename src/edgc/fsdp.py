@@ -136,7 +136,9 @@ class EDGCFSDPState:
         key = self._key()
         if key not in d:
             raise ValueError(f"EDGC FSDP state dict has no entry for this process ({key})")
-        inner = torch.load(io.BytesIO(d[key]), weights_only=False)
+        blob = d[key]  # (bytes; a uint8 tensor in edgc train's checkpoints: edgc.comm.replicas.blobs_as_tensors)
+        data = blob.numpy().tobytes() if isinstance(blob, torch.Tensor) else blob
+        inner = torch.load(io.BytesIO(data), weights_only=False)
         self.sync.load_state_dict(inner, strict_replica=strict_replica)
 
     def _hook(self, index: int, output: torch.Tensor) -> None:

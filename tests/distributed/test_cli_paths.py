@@ -276,7 +276,7 @@ HSDP = ["--dp-shard", "2", "--dp-replicate", "2", "--steps", "6", "--eval-every"
 
 
 @pytest.mark.slow
-def test_hsdp_through_the_cli_compresses_after_native_warmup_and_resumes_exactly(tmp_path, data_dir):
+def test_hsdp_through_the_cli_compresses_after_an_int8_warmup_and_resumes_exactly(tmp_path, data_dir):
     a, b, straight = _straight_and_resumed(data_dir, tmp_path, ["--method", "edgc", *HSDP], 3, 6)
     assert a == b
     train = _train_records(straight)
@@ -285,7 +285,11 @@ def test_hsdp_through_the_cli_compresses_after_native_warmup_and_resumes_exactly
     native = tmp_path / "native"
     assert main(_train(data_dir, native, "--method", "none", *HSDP)) == 0
     plain = _train_records(native)
-    assert [r["loss"] for r in plain[:3]] == [r["loss"] for r in train[:3]]  # the warm-up is native HSDP's
+    # the warm-up sends every tensor whole, in the default int8 wire format: native HSDP's
+    # steps up to that rounding, at about a quarter of the bytes
+    assert plain[0]["loss"] == train[0]["loss"]
+    assert all(abs(p["loss"] - t["loss"]) < 1e-2 for p, t in zip(plain[:3], train[:3], strict=True))
+    assert all(r["bytes_sent"] < 0.3 * r["bytes_uncompressed"] for r in train[:2])
     assert all(r["bytes_sent"] == r["bytes_uncompressed"] > 0 for r in plain)
     assert json.loads((straight / "config.json").read_text())["dp_shard"] == 2
     assert (straight / "summary.md").is_file() and (straight / "loss.png").is_file()

@@ -21,3 +21,5 @@ def test_gather_scatter_and_file_round_trip(tmp_path):
         assert_same(r["scattered"], own, "scattered")
         assert_same(r["from_file"], own, "from the file")
         assert "holds the states of 1 replicas, and this job has 2" in r["wrong_length"]
+    assert results[0]["gathered"] is None
+    assert results[1]["gathered"] == [[0.0] * 3, [1.0] * 3]

@@ -657,5 +657,13 @@ def replicas_check(rank: int, world: int, out: str) -> dict:
         wrong_length = "no error"
     except ValueError as exc:
         wrong_length = str(exc)
+    # the gathered entries are copies, the gathering replica's own too: changing what was
+    # gathered afterwards changes none of them
+    from edgc.comm.replicas import gather_replicas
+
+    mine = {"x": torch.full((3,), float(rank))}
+    got = gather_replicas(mine, dst=1)
+    mine["x"].add_(10.0)
+    gathered = None if got is None else [g["x"].tolist() for g in got]
     return {"mine": state.state_dict(), "on_one": on_one, "on_all": on_all, "scattered": scattered,
-            "from_file": from_file.state_dict(), "wrong_length": wrong_length}
+            "from_file": from_file.state_dict(), "wrong_length": wrong_length, "gathered": gathered}

@@ -10,14 +10,16 @@ no file format and no framework in them (edgc.checkpoint and edgc.train build on
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["gather_replicas", "replica_entry", "scatter_replicas", "tensors_digest"]
+__all__ = ["blobs_as_tensors", "gather_replicas", "replica_entry", "scatter_replicas", "tensors_digest"]
 
 
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -49,9 +51,21 @@ def gather_replicas(mine: Any, *, dst: int | None = 0, group: dist.ProcessGroup 
         return gathered
     if not 0 <= dst < world:
         raise ValueError(f"dst must be a rank of the group, 0 to {world - 1}; got {dst}")
-    out: list[Any] | None = [None] * world if rank == dst else None
-    # collective: gather of each replica's pickled payload to replica `dst`
-    dist.gather_object(mine, out, dst=_global(group, dst), group=group)
+    if rank != dst:
+        # collective (with the loop below): this replica's pickled payload to replica `dst`
+        dist.send_object_list([mine], dst=_global(group, dst), group=group)
+        return None
+    # One replica after the other, not gather_object: that holds every payload's bytes at
+    # once besides the objects unpickled from them (twice the states on `dst`); here `dst`
+    # holds the objects and one payload's bytes. Its own entry is a copy, as the others are.
+    out: list[Any] = [None] * world
+    for src in range(world):
+        if src == dst:
+            out[src] = copy.deepcopy(mine)
+            continue
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=_global(group, src), group=group)
+        out[src] = box[0]
     return out
 
 
@@ -90,6 +104,22 @@ def scatter_replicas(entries: list[Any] | None, *, src: int = 0, group: dist.Pro
     # collective: scatter of one pickled payload from replica `src` to each replica
     dist.scatter_object_list(out, payload, src=_global(group, src), group=group)
     return out[0]
+
+
+def blobs_as_tensors(obj: Any) -> Any:
+    """`obj` with every bytes value in its dicts and lists as a uint8 tensor over the same
+    memory (no copy), for torch.save: it pickles a bytes value into its in-memory pickle
+    stream, copying it two or three times, but writes a tensor's storage straight to the
+    file. (An FSDP state's compression state is such a value: edgc.fsdp.) Changes nothing."""
+    if isinstance(obj, bytes) and obj:
+        with warnings.catch_warnings():  # (read-only memory: the tensor is only ever read)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(obj, dtype=torch.uint8)
+    if isinstance(obj, dict):
+        return {k: blobs_as_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [blobs_as_tensors(v) for v in obj]
+    return obj
 
 
 def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:

@@ -45,9 +45,10 @@ All give the same average, up to the float order of the sums.
 
 Precision. Gradients are grouped by dtype as well as shape. For bf16 and fp16 gradients
 the arithmetic (M + error, P, Q, orthogonalisation, the error feedback) runs in float32,
-and P and Q travel in the gradient's dtype: the rounding on the wire lands in the error
-feedback instead of being lost. With a GradScaler, `set_grad_scale` tells the core the
-loss scale, so the error feedback and the entropy stay in unscaled units.
+and P and Q travel in the wire format (EDGCConfig.wire; "native": the gradient's dtype):
+the rounding on the wire lands in the error feedback instead of being lost. With a
+GradScaler, `set_grad_scale` tells the core the loss scale, so the error feedback and the
+entropy stay in unscaled units.
 """
 
 from __future__ import annotations

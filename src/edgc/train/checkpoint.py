@@ -9,7 +9,6 @@ disk for the newest); `checkpoint.pt` is always the newest.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
@@ -38,10 +37,8 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any], keep: int = 1) ->
     and only the newest `keep` of those are kept.
     """
     path = Path(path)
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, **payload}, buf)
-    with atomic_write(path) as f:
-        f.write(buf.getbuffer())
+    with atomic_write(path) as f:  # (straight into the file: no second copy in memory)
+        torch.save({"format": FORMAT, "version": VERSION, **payload}, f)
     if keep > 1:
         kept = path.with_name(f"checkpoint-{int(payload['step']):07d}.pt")
         tmp = kept.with_name(f".{kept.name}.link.tmp")

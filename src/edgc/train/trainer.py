@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.comm.replicas import gather_replicas
+from edgc.comm.replicas import blobs_as_tensors, gather_replicas
 from edgc.config import SECTIONS, EDGCConfig, upgrade_config_v1
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.models import build_model
@@ -569,7 +569,7 @@ def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),
-            "model": weights, "optimizer": opt_state, "replicas": gathered,
+            "model": weights, "optimizer": opt_state, "replicas": blobs_as_tensors(gathered),
             "scaler": precision.state_dict(), **extra,
         }, keep=cfg.keep_checkpoints)
     dist.barrier()
