@@ -40,7 +40,8 @@ def _untimed(state):
 def test_edgc_matches_native_hsdp_in_warmup_then_compresses_with_replicas_identical(policy):
     config = dict(BASE, policy=policy)
     native = run_workers(fsdp_workers.train, 4, "native", None, 3, timeout=300)
-    warm = run_workers(fsdp_workers.train, 4, "edgc", config, 3, timeout=300)
+    # (with the gradient's dtype on the wire; the default int8 rounds the warm-up's sums)
+    warm = run_workers(fsdp_workers.train, 4, "edgc", dict(config, wire="native"), 3, timeout=300)
     for a, b in zip(native, warm, strict=True):  # bit for bit during the warm-up
         assert_same(a["params"], b["params"], "params")
         assert a["losses"] == b["losses"]
@@ -62,7 +63,7 @@ def test_edgc_resumes_exactly_mid_window():
 def test_accumulation_matches_native_hsdp_in_warmup_and_syncs_once_per_step():
     config = dict(BASE, policy="static")
     native = run_workers(fsdp_workers.train, 4, "native", None, 3, {"accum": 3}, timeout=300)
-    warm = run_workers(fsdp_workers.train, 4, "edgc", config, 3, {"accum": 3}, timeout=300)
+    warm = run_workers(fsdp_workers.train, 4, "edgc", dict(config, wire="native"), 3, {"accum": 3}, timeout=300)
     for a, b in zip(native, warm, strict=True):
         assert_same(a["params"], b["params"], "params")
     out = run_workers(fsdp_workers.train, 4, "edgc", config, 8, {"accum": 3}, timeout=300)
@@ -118,7 +119,7 @@ def test_warmup_ends_at_the_first_error_check_that_passes_measured_module_by_mod
 @pytest.mark.parametrize("wire,alternate", [("int8", False), ("fp8", True)])
 def test_quantized_and_alternating_modes_compress_and_resume_exactly(wire, alternate):
     config = dict(BASE, policy="noise", wire=wire, alternate=alternate, state_dtype="bf16")
-    full = run_workers(fsdp_workers.train, 4, "edgc", dict(BASE, policy="noise"), 10, timeout=300)
+    full = run_workers(fsdp_workers.train, 4, "edgc", dict(BASE, policy="noise", wire="native"), 10, timeout=300)
     out = run_workers(fsdp_workers.train, 4, "edgc", config, 10, timeout=300)
     _check_compressed_run(out, 10)
     for a, b in zip(out, full, strict=True):  # (fewer bytes: the factors travel in one byte, or one a step)
