@@ -72,8 +72,9 @@ def test_calibrated_max_rank_agrees_across_replicas():
 
 
 def test_warmup_matches_plain_ddp_average():
-    # Compression never starts: the hook must reproduce DDP's own all-reduce average.
-    cfg = dict(DYNAMIC, warmup_steps=10_000)
+    # Compression never starts: with the gradient's dtype on the wire, the hook must
+    # reproduce DDP's own all-reduce average (int8, the default, rounds it: test_wire.py)
+    cfg = dict(DYNAMIC, warmup_steps=10_000, wire="native")
     hooked = run_workers(workers.train_and_report, 2, cfg, 8, timeout=240)
     plain = run_workers(workers.train_plain, 2, 8, timeout=240)
     torch.testing.assert_close(hooked[0]["params"], plain[0]["params"], rtol=1e-5, atol=1e-6)

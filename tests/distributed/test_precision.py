@@ -15,7 +15,8 @@ STATIC = dict(policy="static", max_rank=4, warmup_steps=2, window=4, warmup="fix
 def test_mixed_dtypes_compress_with_half_precision_on_the_wire(half):
     # float32 and half matrices and 1-D tensors in one model: one P, Q and uncompressed
     # buffer per dtype (a single buffer in the first slot's dtype used to crash here)
-    results = run_workers(workers.train_mixed_dtypes, 2, STATIC, 8, half, timeout=240)
+    # (wire="native": each buffer in its own dtype; int8 sends one byte whatever the dtype)
+    results = run_workers(workers.train_mixed_dtypes, 2, dict(STATIC, wire="native"), 8, half, timeout=240)
     r = results[0]
     assert r["stats"].compressed_steps == 6 and r["stats"].nonfinite_steps == 0
     assert r["groups"] == [

@@ -68,6 +68,16 @@ def test_tensors_sent_whole_travel_in_the_wire_format(wire):
         assert quantized_bytes(padded, 2) <= out[0]["bytes"] < 1.1 * quantized_bytes(padded, 2)
 
 
+def test_half_precision_tensors_sent_whole_keep_small_values():
+    # fp16 gradients of 1e-6 to 1: summed and dequantized in float32 (an fp16 scale of a
+    # block of values near 1e-6 would underflow and send zeros)
+    out = run_workers(wire_workers.whole_tensors, 2, "int8", "float16", 1e-6)
+    assert torch.equal(out[0]["averages"], out[1]["averages"])
+    # (the averages near 1e-6 are fp16 subnormals, spaced 6e-8 apart: a few percent of their
+    # largest; sent as zeros, the error would be 1)
+    assert 0 < out[0]["worst"] < 0.1
+
+
 @pytest.mark.parametrize("wire", FORMATS)
 def test_replicas_bit_identical_while_rank_changes(wire):
     results = run_workers(workers.train_and_report, 2, dict(DYNAMIC, wire=wire), 40, timeout=240)

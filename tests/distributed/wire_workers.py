@@ -48,12 +48,14 @@ def error_feedback_invariant(rank: int, world: int, wire: str, state_dtype: str,
             "params": torch.cat([p.detach().reshape(-1) for p in params])}
 
 
-def whole_tensors(rank: int, world: int, wire: str) -> dict:
-    """One uncompressed (warm-up) step of float64 parameters through edgc_hook in format
-    `wire`: every tensor travels whole. Returns the averages handed back, their largest
-    error against the exact average of every replica's gradient, relative to the
-    largest magnitude of that tensor's average, and the bytes counted."""
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in SHAPES]
+def whole_tensors(rank: int, world: int, wire: str, dtype: str = "float64", scale: float = 1.0) -> dict:
+    """One uncompressed (warm-up) step of parameters in `dtype` through edgc_hook in format
+    `wire`: every tensor travels whole, the gradients of tensor i about scale * 100^i.
+    Returns the averages handed back, their largest error against the exact average of
+    every replica's gradient, relative to the largest magnitude of that tensor's average,
+    and the bytes counted."""
+    kind = getattr(torch, dtype)
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=kind)) for shape in SHAPES]
     config = EDGCConfig(policy="static", max_rank=3, warmup="fixed", warmup_steps=5, wire=wire)
     state = EDGCState(None, config)
 
@@ -61,12 +63,13 @@ def whole_tensors(rank: int, world: int, wire: str) -> dict:
         g = torch.Generator().manual_seed(7 + replica)
         # (tensors of very different sizes side by side: a block across two would round
         # the small one away)
-        return [torch.randn(p.shape, generator=g, dtype=torch.float64) * 10.0 ** (2 * i) for i, p in enumerate(params)]
+        return [(torch.randn(p.shape, generator=g, dtype=torch.float64) * scale * 10.0 ** (2 * i)).to(kind)
+                for i, p in enumerate(params)]
 
     for p, g in zip(params, grads(rank), strict=True):
         p.grad = g
-    exact = [sum(gs) / world for gs in zip(*(grads(r) for r in range(world)), strict=True)]
+    exact = [sum(g.double() for g in gs) / world for gs in zip(*(grads(r) for r in range(world)), strict=True)]
     sync_with_hook(params, state, edgc_hook, cap_bytes=1500)
-    worst = max(float((p.grad - e).abs().max() / e.abs().max()) for p, e in zip(params, exact, strict=True))
+    worst = max(float((p.grad.double() - e).abs().max() / e.abs().max()) for p, e in zip(params, exact, strict=True))
     return {"worst": worst, "bytes": state.stats().bytes_sent, "rank": state.stats().step_rank,
             "averages": torch.cat([p.grad.reshape(-1) for p in params])}

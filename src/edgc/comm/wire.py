@@ -146,16 +146,20 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
     # collective: all-to-all of (1 + 4 / BLOCK) bytes per element: chunk j to replica j
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
+    # (half-precision buffers, the tensors sent whole of bf16 or fp16 gradients, are summed
+    # and dequantized in float32: an fp16 scale of a block of small values would underflow)
+    sum_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+
     def finish() -> object:
         pieces = recv.view(world, row)
-        mine = dequantize(pieces[0], chunk, code, flat.dtype)
+        mine = dequantize(pieces[0], chunk, code, sum_dtype)
         for j in range(1, world):  # (in replica order: the same float order on every replica)
-            mine += dequantize(pieces[j], chunk, code, flat.dtype)
+            mine += dequantize(pieces[j], chunk, code, sum_dtype)
         gathered = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
         # collective: all-gather of every replica's summed chunk, quantized again
         done = _all_gather(gathered, quantize(mine, code), group)
         done.wait()
-        flat.copy_(torch.cat([dequantize(p, chunk, code, flat.dtype) for p in gathered.view(world, row)])[:n])
+        flat.copy_(torch.cat([dequantize(p, chunk, code, sum_dtype) for p in gathered.view(world, row)])[:n])
         return done
 
     return work, finish
