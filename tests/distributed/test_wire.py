@@ -130,3 +130,21 @@ def test_alternating_replicas_identical_and_resume_exactly(wire):
     for r in out:
         assert r["resumed"] == r["straight"]
         assert torch.equal(r["resumed_params"], r["straight_params"])
+
+
+@pytest.mark.parametrize("wire", ["native", "int8"])
+def test_rank_calibration_probes_in_the_wire_format(wire):
+    # max_rank=None: a warm-up step also times a compressed round at a probe rank, whose P
+    # and Q must travel as the compressed steps' will (else it weighs float bytes against
+    # an int8 uncompressed sum)
+    out = run_workers(wire_workers.calibration_probe, 2, wire)
+    assert out[0]["points"] == out[1]["points"] and len(out[0]["points"]) == 1
+    r = out[0]["points"][0][0]
+    mats = [s for s in wire_workers.SHAPES if len(s) == 2]
+    p, q = ([s[side] * min(r, *s) for s in mats] for side in (0, 1))
+    if wire == "native":
+        probe = 8 * (sum(p) + sum(q))
+    else:  # one buffer each for P and Q, every matrix starting a block of its own
+        probe = sum(quantized_bytes(sum(n + (-n % BLOCK) for n in f), 2) for f in (p, q))
+    # (and the two timings agreed as their maximum: 2 float64)
+    assert out[0]["calibrated"] - out[0]["fixed"] == probe + 16

@@ -73,3 +73,25 @@ def whole_tensors(rank: int, world: int, wire: str, dtype: str = "float64", scal
     worst = max(float((p.grad.double() - e).abs().max() / e.abs().max()) for p, e in zip(params, exact, strict=True))
     return {"worst": worst, "bytes": state.stats().bytes_sent, "rank": state.stats().step_rank,
             "averages": torch.cat([p.grad.reshape(-1) for p in params])}
+
+
+def calibration_probe(rank: int, world: int, wire: str) -> dict:
+    """One warm-up step of float64 parameters through edgc_hook in format `wire`, with r_max
+    calibrated (max_rank=None: the step also times a compressed probe round) and with it
+    fixed. Returns the bytes each counted and the probe's rank."""
+    out: dict = {}
+    for max_rank in (None, 3):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in SHAPES]
+        config = EDGCConfig(policy="linear", max_rank=max_rank, min_rank=None if max_rank is None else 1,
+                            warmup="fixed", warmup_steps=5, min_compression_rate=1.0, calibration_repeats=1,
+                            wire=wire)
+        state = EDGCState(None, config)
+        g = torch.Generator().manual_seed(7 + rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        sync_with_hook(params, state, edgc_hook, cap_bytes=1500)
+        out[max_rank] = state.stats().bytes_sent
+        if max_rank is None:
+            out["points"] = list(state.sync.calibration.points)
+    return {"calibrated": out[None], "fixed": out[3], "points": out["points"]}

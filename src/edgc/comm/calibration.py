@@ -1,10 +1,11 @@
-"""r_max calibration (the released code's): time compressed against uncompressed all-reduce
+"""r_max calibration (the released code's): time compressed against uncompressed sums
 during warm-up, one probe rank per step, until compression stops paying.
 
-Used when EDGCConfig.max_rank is None. Each warm-up step times its own uncompressed
-all-reduce, and `calibration_repeats` compressed rounds at the next probe rank (2, 4,
-8, ...) on a copy of its gradient, without touching any state. Times are agreed as the
-maximum over replicas, so every replica reaches the same r_max. On CUDA the probe is
+Used when EDGCConfig.max_rank is None. Each warm-up step times its own uncompressed sum,
+and `calibration_repeats` compressed rounds at the next probe rank (2, 4, 8, ...) on a
+copy of its gradient, without touching any state. Both travel in the wire format
+(EDGCConfig.wire), as the steps they stand for do. Times are agreed as the maximum over
+replicas, so every replica reaches the same r_max. On CUDA the probe is
 timed with events and read at once (a decision needs it; warm-up only).
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from edgc.comm.collectives import Collectives
 from edgc.comm.timing import start_lap
 from edgc.comm.units import flatten_by_dtype, scatter
+from edgc.comm.wire import alignment
 from edgc.compress import compressible, draw_q, orthogonalize_, project_p, project_q
 from edgc.policy.calibration import calibrated_max_rank, probe_ranks
 
@@ -38,9 +40,11 @@ class Calibration:
         self.repeats = repeats
         self.min_compression_rate = min_compression_rate
 
-    def observe(self, grads: list[torch.Tensor], t_plain: float, collectives: Collectives) -> int | None:
-        """Probe the next rank on this step's gradient (`t_plain`: its uncompressed
-        all-reduce's seconds); returns r_max once calibration is done, else None."""
+    def observe(self, grads: list[torch.Tensor], t_plain: float, collectives: Collectives, wire: str = "native"
+                ) -> int | None:
+        """Probe the next rank on this step's gradient (`t_plain`: its uncompressed sum's
+        seconds), its factors summed in the wire format `wire` as the uncompressed sum was;
+        returns r_max once calibration is done, else None."""
         mats_all = [g for g in grads if g.dim() >= 2]
         cap = max((min(int(g.shape[0]), g[0].numel()) for g in mats_all), default=0)
         ranks = probe_ranks(cap) if cap else []
@@ -54,7 +58,7 @@ class Calibration:
         generator = torch.Generator().manual_seed(self.seed + 1 + k)
         lap = start_lap(collectives.device)
         for _ in range(self.repeats):
-            _probe_round(mats, r, generator, collectives)
+            _probe_round(mats, r, generator, collectives, wire)
         t_probe = float(lap.stop()) / self.repeats
         times = torch.tensor([t_plain, t_probe], dtype=torch.float64)
         # collective: all-reduce MAX of two float64 timings (16 bytes)
@@ -87,18 +91,20 @@ class Calibration:
         self.done = bool(d["done"])
 
 
-def _probe_round(mats: list[torch.Tensor], rank: int, generator: torch.Generator, collectives: Collectives) -> None:
-    """One timed compressed round (P and Q all-reduces, one buffer per dtype each) whose
-    result is thrown away."""
+def _probe_round(mats: list[torch.Tensor], rank: int, generator: torch.Generator, collectives: Collectives,
+                 wire: str) -> None:
+    """One timed compressed round (the sums of P and of Q, one buffer per dtype each, in
+    the wire format) whose result is thrown away."""
+    align = alignment(wire)
     ps = []
     for m in mats:
         q = draw_q(1, m.shape[1], min(rank, *m.shape), generator, dtype=m.dtype, device=m.device)
         ps.append(project_p(m.unsqueeze(0), q))
-    p_flats = flatten_by_dtype(ps, range(len(ps)))
-    # collectives (calibration only): all-reduce SUM of P, one per dtype
-    collectives.wait([collectives.all_reduce(flat, async_op=True) for flat, _ in p_flats])
+    p_flats = flatten_by_dtype(ps, range(len(ps)), align)
+    # collectives (calibration only): sum of P, one per dtype, in the wire format
+    collectives.wait([collectives.sum_in(flat, wire) for flat, _ in p_flats])
     for flat, idx in p_flats:
-        scatter(flat, [ps[i] for i in idx])
+        scatter(flat, [ps[i] for i in idx], align)
     qs = [project_q(m.unsqueeze(0), orthogonalize_(p)) for m, p in zip(mats, ps, strict=True)]
-    # collectives (calibration only): all-reduce SUM of Q, one per dtype
-    collectives.wait([collectives.all_reduce(flat, async_op=True) for flat, _ in flatten_by_dtype(qs, range(len(qs)))])
+    # collectives (calibration only): sum of Q, one per dtype, in the wire format
+    collectives.wait([collectives.sum_in(flat, wire) for flat, _ in flatten_by_dtype(qs, range(len(qs)), align)])

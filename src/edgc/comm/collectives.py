@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.timing import LapSum, start_lap
-from edgc.comm.wire import Codec, quantized_bytes, quantized_sum
+from edgc.comm.wire import Codec, codec, quantized_bytes, quantized_sum
 
 __all__ = ["Collectives", "Issued"]
 
@@ -224,6 +224,17 @@ class Collectives:
             flat.copy_(send)
 
         return Issued(issued.work, then=back)
+
+    def sum_in(self, flat: torch.Tensor, wire: str) -> Issued:
+        """Start summing `flat` over the process group in the wire format `wire`
+        (EDGCConfig.wire): quantized, rounded to bf16, or as it is. The sum is in `flat`
+        after `wait`."""
+        code = codec(wire)
+        if code is not None:
+            return self.quantized_sum(flat, code)
+        if wire == "bf16" and flat.dtype != torch.bfloat16:
+            return self.all_reduce_as(flat, torch.bfloat16)
+        return self.all_reduce(flat, async_op=True)
 
     def wait(self, issued: list[Issued], step_comm: LapSum | None = None) -> None:
         """Wait for async collectives; the time spent waiting counts once as communication

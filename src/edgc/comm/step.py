@@ -116,7 +116,7 @@ from edgc.comm.units import (
     slot_wire_bytes,
     working_dtype,
 )
-from edgc.comm.wire import BLOCK, codec
+from edgc.comm.wire import alignment
 from edgc.compress import compressible, error_feedback_, orthogonalize_, project_p, project_q, reconstruct
 from edgc.entropy import sample_into
 
@@ -212,8 +212,7 @@ class StepSync:
         self.eager = eager
         self.whole = config.sync_mode == "whole-step" and not eager
         self.wire = config.wire
-        self.code = codec(config.wire)  # (None: summed by all-reduce in a float dtype)
-        self.align = BLOCK if self.code is not None else 1  # (a quantized block never spans two tensors)
+        self.align = alignment(config.wire)  # (a quantized block never spans two tensors)
         # alternating (EDGCConfig.alternate): which factor this step computes and sums,
         # 0: P (against the kept Q), 1: Q (against the kept P); None: both, in two rounds
         self.side = (0 if compression.p_next else 1) if config.alternate and info.compressed else None
@@ -455,11 +454,7 @@ class StepSync:
     def _sum(self, flat: torch.Tensor) -> Issued:
         """Issue the sum of a buffer (factors, or tensors sent whole) over the replicas, in
         the wire format: quantized, rounded to bf16, or as it is."""
-        if self.code is not None:
-            return self.collectives.quantized_sum(flat, self.code)
-        if self.wire == "bf16" and flat.dtype != torch.bfloat16:
-            return self.collectives.all_reduce_as(flat, torch.bfloat16)
-        return self.collectives.all_reduce(flat, async_op=True)
+        return self.collectives.sum_in(flat, self.wire)
 
     def _finish_p(self, r: _Round) -> None:
         """Wait for a unit's P; orthogonalise it, project Q and issue Q's all-reduce."""

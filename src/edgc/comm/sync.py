@@ -428,7 +428,7 @@ class GradientSync:
                 self.alignment.observe_uncompressed(result.step_comm)
             if not self.calibration.done:
                 assert result.plain is not None  # (timed on a step while calibrating)
-                r_max = self.calibration.observe(grads, float(result.plain), self.collectives)
+                r_max = self.calibration.observe(grads, float(result.plain), self.collectives, self.config.wire)
                 if r_max is not None:
                     self.r_max, self.r_min = r_max, self.config.resolved_min_rank(r_max)
         if info.want_entropy:

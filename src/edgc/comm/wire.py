@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "Codec", "codec", "dequantize", "quantize", "quantized_bytes", "quantized_sum",
+__all__ = ["BLOCK", "Codec", "alignment", "codec", "dequantize", "quantize", "quantized_bytes", "quantized_sum",
            "wire_bytes"]
 
 #: Elements per scale of a quantized buffer.
@@ -78,6 +78,13 @@ def codec(wire: str) -> Codec | None:
                              "use wire='int8'")
         return Codec("fp8", _FP8, 448.0)
     return None
+
+
+def alignment(wire: str) -> int:
+    """The multiple of elements each tensor of a buffer starts at in format `wire`
+    (edgc.comm.units.flatten_by_dtype): BLOCK for a quantized format, so that no block
+    holds two tensors; 1 for the others."""
+    return BLOCK if wire in ("int8", "fp8") else 1
 
 
 def wire_bytes(numel: int, element_size: int, wire: str) -> int:
