@@ -50,13 +50,13 @@ _RECENT_WORKS = 16
 @dataclass
 class Issued:
     """An issued collective: its work handle (None: already done); for a CPU tensor
-    reduced on the device, (device copy, CPU tensor) to copy back after the wait; for the
-    first half of a quantized sum (or a sum of a copy), the function that completes it
-    after the wait (it returns the handle of any collective it issued, or None)."""
+    reduced on the device, (device copy, CPU tensor) to copy back after the wait; for a
+    sum of several stages (a quantized sum, a sum of a copy), the function to call after
+    the wait, which returns the next stage, issued, or None when the sum is complete."""
 
     work: Any
     back: tuple[torch.Tensor, torch.Tensor] | None = None
-    then: Callable[[], Any] | None = None
+    then: Callable[[], Issued | None] | None = None
 
 
 class Collectives:
@@ -206,10 +206,16 @@ class Collectives:
         world = self.world_size
         if world == 1:
             return Issued(None)
-        work, finish = quantized_sum(flat, code, self._process_group, world)
+        work, gather = quantized_sum(flat, code, self._process_group, world)
         self.bytes_sent += quantized_bytes(flat.numel(), world)
         self.recent_works.append(work)
-        return Issued(work, then=finish)
+
+        def all_gather() -> Issued:
+            done, unpack = gather()
+            self.recent_works.append(done)
+            return Issued(done, then=unpack)
+
+        return Issued(work, then=all_gather)
 
     def all_reduce_as(self, flat: torch.Tensor, dtype: torch.dtype) -> Issued:
         """Start summing `flat` over the process group as a copy in `dtype` (the "bf16"
@@ -244,13 +250,14 @@ class Collectives:
         if not pending:
             return
         lap = start_lap(self.device)
-        for i in pending:
-            i.work.wait()
-        for i in pending:
-            if i.then is not None:  # (a quantized sum's all-gather, issued and waited for here)
-                done = i.then()
-                if done is not None:
-                    self.recent_works.append(done)
+        stage = pending
+        while stage:
+            for i in stage:
+                i.work.wait()
+            # the next stage of each sum that has one (a quantized sum's all-gathers), all
+            # issued before any is waited for, in the same order on every replica
+            follow = [i.then() if i.then is not None else None for i in stage]
+            stage = [f for f in follow if f is not None]
         lap.stop()
         self.comm.add(lap)
         if step_comm is not None:

@@ -139,11 +139,12 @@ def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype) 
 
 
 def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None, world: int
-                  ) -> tuple[object, Callable[[], object]]:
+                  ) -> tuple[object, Callable[[], tuple[object, Callable[[], None]]]]:
     """Start summing `flat` (1-D, floating) over `group` of `world` replicas in quantized
-    form: issue the reduce-scatter's all-to-all. Returns its work handle and a function
-    that, after the handle's wait, sums this replica's chunk, all-gathers the chunks
-    (waiting for it) and writes the sum into `flat`; it returns the all-gather's handle."""
+    form: issue the reduce-scatter's all-to-all. Returns its work handle and a function to
+    call after its wait, which sums this replica's chunk and issues the all-gather; that
+    returns the all-gather's handle and a function to call after its wait, which writes
+    the sum into `flat`."""
     n = flat.numel()
     chunk = _chunk(n, world)  # elements per replica's chunk
     padded = torch.nn.functional.pad(flat, (0, world * chunk - n))
@@ -157,7 +158,7 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
     # and dequantized in float32: an fp16 scale of a block of small values would underflow)
     sum_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
 
-    def finish() -> object:
+    def gather() -> tuple[object, Callable[[], None]]:
         pieces = recv.view(world, row)
         mine = dequantize(pieces[0], chunk, code, sum_dtype)
         for j in range(1, world):  # (in replica order: the same float order on every replica)
@@ -165,11 +166,13 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
         gathered = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
         # collective: all-gather of every replica's summed chunk, quantized again
         done = _all_gather(gathered, quantize(mine, code), group)
-        done.wait()
-        flat.copy_(torch.cat([dequantize(p, chunk, code, sum_dtype) for p in gathered.view(world, row)])[:n])
-        return done
 
-    return work, finish
+        def unpack() -> None:
+            flat.copy_(torch.cat([dequantize(p, chunk, code, sum_dtype) for p in gathered.view(world, row)])[:n])
+
+        return done, unpack
+
+    return work, gather
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
