@@ -40,7 +40,7 @@ class Calibration:
         self.repeats = repeats
         self.min_compression_rate = min_compression_rate
 
-    def observe(self, grads: list[torch.Tensor], t_plain: float, collectives: Collectives, wire: str = "native"
+    def observe(self, grads: list[torch.Tensor], t_plain: float, collectives: Collectives, wire: str
                 ) -> int | None:
         """Probe the next rank on this step's gradient (`t_plain`: its uncompressed sum's
         seconds), its factors summed in the wire format `wire` as the uncompressed sum was;

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from edgc.comm.wire import wire_bytes
+from edgc.comm.wire import is_quantized, wire_bytes
 
 __all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "factor_buffers", "flatten_by_dtype", "scatter",
            "slot_wire_bytes", "unit_plan", "working_dtype"]
@@ -179,7 +179,7 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
     size by as much as the singular values they follow, and a block across them would
     round the small ones away.
     """
-    quantized = wire in ("int8", "fp8")
+    quantized = is_quantized(wire)
     kinds = [_send_dtype(g.dtype, wire) for g in groups]
     flats, sent = [], {}  # sent: group's position -> its view to send
     for dtype in dtype_order(kinds):

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "Codec", "alignment", "codec", "dequantize", "quantize", "quantized_bytes", "quantized_sum",
-           "wire_bytes"]
+__all__ = ["BLOCK", "Codec", "alignment", "codec", "dequantize", "is_quantized", "quantize", "quantized_bytes",
+           "quantized_sum", "wire_bytes"]
 
 #: Elements per scale of a quantized buffer.
 BLOCK = 128
@@ -80,18 +80,23 @@ def codec(wire: str) -> Codec | None:
     return None
 
 
+def is_quantized(wire: str) -> bool:
+    """Whether format `wire` sends one byte an element with a scale a block ("int8", "fp8")."""
+    return wire in ("int8", "fp8")
+
+
 def alignment(wire: str) -> int:
     """The multiple of elements each tensor of a buffer starts at in format `wire`
     (edgc.comm.units.flatten_by_dtype): BLOCK for a quantized format, so that no block
     holds two tensors; 1 for the others."""
-    return BLOCK if wire in ("int8", "fp8") else 1
+    return BLOCK if is_quantized(wire) else 1
 
 
 def wire_bytes(numel: int, element_size: int, wire: str) -> int:
     """The bytes a factor buffer of `numel` elements in a gradient dtype of `element_size`
     bytes puts on the wire in format `wire` (as edgc counts bytes: the buffer handed to an
     all-reduce, or its quantized equivalent)."""
-    if wire in ("int8", "fp8"):
+    if is_quantized(wire):
         return numel + 4 * math.ceil(numel / BLOCK)
     if wire == "bf16":
         return 2 * numel
