@@ -6,6 +6,8 @@ import torch
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.buckets import sync_with_hook
+from edgc.comm.collectives import Collectives
+from edgc.comm.wire import BLOCK, codec
 
 # distinct shapes, so that each compressed group holds one parameter
 SHAPES = ((24, 16), (16, 10), (12, 30), (9,))
@@ -46,6 +48,26 @@ def error_feedback_invariant(rank: int, world: int, wire: str, state_dtype: str,
             sent.append(average.clone())
     return {"worst": worst, "checked": checked, "sent": sent, "bytes": state.stats().bytes_sent,
             "params": torch.cat([p.detach().reshape(-1) for p in params])}
+
+
+def quantized_sum_blocks(rank: int, world: int, wire: str, blocks: int) -> dict:
+    """One quantized sum over `world` replicas of `blocks` blocks of float64 values, block i
+    of magnitude 100^(i - blocks // 2). Returns the sum, its largest error against the exact
+    sum relative to the largest magnitude of that block's sum, and the bytes counted."""
+
+    def values(replica: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(11 + replica)
+        x = torch.randn(blocks, BLOCK, generator=g, dtype=torch.float64)
+        return (x * 100.0 ** (torch.arange(blocks, dtype=torch.float64) - blocks // 2)[:, None]).reshape(-1)
+
+    code = codec(wire)
+    assert code is not None
+    collectives = Collectives()
+    flat = values(rank)
+    collectives.wait([collectives.quantized_sum(flat, code)])
+    exact = sum(values(r) for r in range(world)).view(blocks, BLOCK)
+    worst = float(((flat.view(blocks, BLOCK) - exact).abs().amax(1) / exact.abs().amax(1)).max())
+    return {"sum": flat, "worst": worst, "bytes": collectives.bytes_sent}
 
 
 def whole_tensors(rank: int, world: int, wire: str, dtype: str = "float64", scale: float = 1.0) -> dict:

@@ -120,9 +120,9 @@ def test_wire_bytes_per_slot_in_each_format():
               Group((5, 7), [4, 5], torch.zeros(2, 7, 3), None, torch.bfloat16)]
     assert slot_wire_bytes(SHAPES, dtypes, groups) == [(8 + 6) * 2 * 8] * 4 + [(5 + 7) * 3 * 2] * 2 + [7 * 4]
     assert slot_wire_bytes(SHAPES, dtypes, []) == [48 * 8] * 4 + [35 * 2] * 2 + [7 * 4]  # an uncompressed step
-    # int8: a byte an element and a 4-byte scale a block of 128, for factors and whole tensors alike
-    assert slot_wire_bytes(SHAPES, dtypes, groups, "int8") == [28 + 4] * 4 + [36 + 4] * 2 + [7 + 4]
-    assert slot_wire_bytes(SHAPES, dtypes, [], "int8") == [48 + 4] * 4 + [35 + 4] * 2 + [7 + 4]
+    # int8: a byte an element and a 2-byte scale a block of 32, for factors and whole tensors alike
+    assert slot_wire_bytes(SHAPES, dtypes, groups, "int8") == [28 + 2] * 4 + [36 + 2 * 2] * 2 + [7 + 2]
+    assert slot_wire_bytes(SHAPES, dtypes, [], "int8") == [48 + 2 * 2] * 4 + [35 + 2 * 2] * 2 + [7 + 2]
 
 
 def test_coarse_units_merge_consecutive_units_until_the_threshold():

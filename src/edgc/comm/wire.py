@@ -5,9 +5,10 @@ Formats:
   element; bf16 or fp16 gradients: 2), summed by one all-reduce.
 - "bf16": buffers are rounded to bfloat16 and summed by one all-reduce (2 bytes).
 - "int8", "fp8": buffers are quantized to one byte an element, in blocks of
-  `BLOCK` consecutive elements with one float32 scale each (absmax / 127 for int8's
-  round-to-nearest codes, absmax / 448 for float8 e4m3's), and summed as quantized
-  all-reduces are built, in two collectives:
+  `BLOCK` (32) consecutive elements with one bfloat16 scale each (absmax / 127 for
+  int8's round-to-nearest codes, absmax / 448 for float8 e4m3's, rounded up to the next
+  bfloat16 so that no code exceeds its limit), and summed as quantized all-reduces are
+  built, in two collectives:
 
       reduce-scatter  each replica quantizes its whole buffer and sends chunk j of it to
                       replica j (all-to-all); replica j dequantizes the W pieces of its
@@ -16,9 +17,12 @@ Formats:
       all-gather      replica j quantizes its summed chunk once more and every replica
                       gathers every chunk, then dequantizes them
 
+  Each replica's chunk is a whole number of blocks (the buffer is padded with zeros to
+  `world` of them), so the blocks of every chunk are the buffer's own.
+
   Each element is rounded twice, once as a replica's own value and once as the sum, and
   never summed while rounded. Every replica dequantizes the same gathered bytes, so the
-  sum is bit-identical on all of them. The wire then carries (1 + 4 / BLOCK) bytes an
+  sum is bit-identical on all of them. The wire then carries (1 + 2 / BLOCK) bytes an
   element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
   buffer of that many bytes would.
 
@@ -52,7 +56,7 @@ __all__ = ["BLOCK", "Codec", "alignment", "codec", "dequantize", "is_quantized",
            "quantized_sum", "wire_bytes"]
 
 #: Elements per scale of a quantized buffer.
-BLOCK = 128
+BLOCK = 32
 
 #: float8 e4m3 (no infinities) where this torch has it.
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -97,7 +101,7 @@ def wire_bytes(numel: int, element_size: int, wire: str) -> int:
     bytes puts on the wire in format `wire` (as edgc counts bytes: the buffer handed to an
     all-reduce, or its quantized equivalent)."""
     if is_quantized(wire):
-        return numel + 4 * math.ceil(numel / BLOCK)
+        return _row_bytes(numel)
     if wire == "bf16":
         return 2 * numel
     return element_size * numel
@@ -105,13 +109,16 @@ def wire_bytes(numel: int, element_size: int, wire: str) -> int:
 
 def _chunk(numel: int, world: int) -> int:
     """Elements of each replica's chunk of a quantized sum of `numel` elements (the buffer
-    is padded with zeros to `world` such chunks)."""
-    return math.ceil(numel / world)
+    is padded with zeros to `world` such chunks): a whole number of blocks, so that every
+    chunk's blocks are the buffer's own blocks. (A chunk ending inside a block would shift
+    every block of the next chunk by part of one, and a block would then hold the end of
+    one tensor or factor column and the start of the next.)"""
+    return BLOCK * math.ceil(numel / (world * BLOCK))
 
 
 def _row_bytes(numel: int) -> int:
-    """The bytes `quantize` makes of `numel` elements: a code each, a float32 scale a block."""
-    return numel + 4 * math.ceil(numel / BLOCK)
+    """The bytes `quantize` makes of `numel` elements: a code each, a bfloat16 scale a block."""
+    return numel + 2 * math.ceil(numel / BLOCK)
 
 
 def quantized_bytes(numel: int, world: int) -> int:
@@ -121,24 +128,32 @@ def quantized_bytes(numel: int, world: int) -> int:
 
 
 def quantize(x: torch.Tensor, code: Codec) -> torch.Tensor:
-    """`x` (1-D) as bytes: its codes, then one float32 scale per block of BLOCK elements
+    """`x` (1-D) as bytes: its codes, then one bfloat16 scale per block of BLOCK elements
     (the last block may be short), in one uint8 tensor of `_row_bytes(len(x))` bytes."""
     n = x.numel()
     blocks = torch.nn.functional.pad(x, (0, -n % BLOCK)).view(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1, keepdim=True).float()
     # (== 0, not > 0: a block holding a nan keeps a nan scale, which makes it non-finite)
-    scale = torch.where(absmax == 0, torch.ones_like(absmax), absmax / code.limit)
+    scale = _bf16_up(torch.where(absmax == 0, torch.ones_like(absmax), absmax / code.limit))
     scaled = blocks.float() / scale
     if code.dtype == torch.int8:
         codes = scaled.round_().clamp_(-code.limit, code.limit).to(torch.int8)
     else:
         codes = scaled.to(code.dtype)
-    return torch.cat([codes.view(torch.uint8).reshape(-1)[:n], scale.reshape(-1).view(torch.uint8)])
+    return torch.cat([codes.view(torch.uint8).reshape(-1)[:n], scale.to(torch.bfloat16).reshape(-1).view(torch.uint8)])
+
+
+def _bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """float32 `x` (positive, or nan or inf) rounded up to the nearest bfloat16, as float32:
+    the low 16 bits of the float32 cleared after adding their largest value (nan and inf
+    keep their bits' top half, and so stay nan and inf)."""
+    bits = x.view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
 
 
 def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype) -> torch.Tensor:
     """The `numel` values `quantize` wrote into the bytes `data` (1-D), in `dtype`."""
-    scale = data[numel:].clone().view(torch.float32)  # (copied: a view needs 4-byte alignment)
+    scale = data[numel:].clone().view(torch.bfloat16)  # (copied: a view needs 2-byte alignment)
     scale = scale.to(dtype).repeat_interleave(BLOCK)[:numel]
     return data[:numel].view(code.dtype).to(dtype) * scale
 
@@ -156,11 +171,12 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
     row = _row_bytes(chunk)  # one chunk's bytes (codes and scales)
     send = torch.cat([quantize(piece, code) for piece in padded.split(chunk)])
     recv = torch.empty_like(send)
-    # collective: all-to-all of (1 + 4 / BLOCK) bytes per element: chunk j to replica j
+    # collective: all-to-all of (1 + 2 / BLOCK) bytes per element: chunk j to replica j
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
     # (half-precision buffers, the tensors sent whole of bf16 or fp16 gradients, are summed
-    # and dequantized in float32: an fp16 scale of a block of small values would underflow)
+    # and dequantized in float32: an fp16 product of a code and a scale of a block of small
+    # values would underflow)
     sum_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
 
     def gather() -> tuple[object, Callable[[], None]]:
