@@ -183,7 +183,7 @@ class EDGCConfig:
     wire: str = "int8"
     """The format what a step sums travels in (edgc.comm.wire): the factors P and Q and
     the tensors sent whole. "int8" (the default) or "fp8": one byte an element, with a
-    float32 scale per block of 128, summed by a reduce-scatter and an all-gather; "bf16";
+    bfloat16 scale per block of 32, summed by a reduce-scatter and an all-gather; "bf16";
     "native" (the gradient's own dtype, as torch's PowerSGD hook sends). The error
     feedback keeps what the factors' rounding loses. docs/config.md says why int8."""
 

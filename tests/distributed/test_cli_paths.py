@@ -100,7 +100,7 @@ def test_metrics_show_what_each_step_did(tmp_path, data_dir):
                        "--edgc-warmup", "fixed", "--edgc-window", "2")) == 0
     train = _train_records(out)
     # steps 1-2 are the (fixed) warm-up: sent whole, at rank 0, in the default int8 wire
-    # format (a byte an element and a 4-byte scale a block of 128, plus the control vector)
+    # format (a byte an element and a 2-byte scale a block of 32, plus the control vector)
     for r in train[:2]:
         assert (r["phase"], r["rank"]) == ("warmup", 0), r
         assert 0.25 * r["bytes_uncompressed"] < r["bytes_sent"] < 0.3 * r["bytes_uncompressed"]
