@@ -215,14 +215,19 @@ def _table(text, heading):
 @pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2, reason="taskset, 2 cores")
 def test_bench_train_pinned_with_device_time_reports_time_to_a_methods_loss(tmp_path, data_dir):
     # one core per worker, emulated device time, and the time each method needs to reach
-    # static rank's final loss, as the measurement runs it (on loopback, shortened)
+    # static rank's final loss, as the measurement runs it (on loopback, shortened),
+    # static rank with float32 factors (--method-args) while every other run keeps its own
     out = tmp_path / "bench"
     assert main(["bench", "train", "--loopback", "--nproc", "2", "--cores-per-worker", "1", "--emulated-device-ms", "5",
                  "--steps", "6", "--methods", "none,edgc-static", "--rank", "4", "--target-loss-of", "edgc-static",
+                 "--method-args", "edgc-static=--edgc-wire native",
                  "--out", str(out), "--", "--data", str(data_dir), "--batch-size", "2", "--block-size", "32",
                  "--eval-tokens", "256", "--eval-every", "2", "--edgc-warmup-steps", "2"]) == 0
     text = (out / "bench.md").read_text()
     assert "each worker pinned to 1 core(s) of its own, emulated device time 5 ms" in text.split("\n\n")[1]
+    assert "; edgc-static also with `--edgc-wire native`" in text.split("\n\n")[1]
+    assert json.loads((out / "edgc-static" / "config.json").read_text())["edgc"]["wire"] == "native"
+    assert json.loads((out / "none" / "config.json").read_text())["edgc"]["wire"] == "int8"  # (the default)
     records = {}
     for name in ("none", "edgc-static"):
         config, records[name] = load_run(out / name)

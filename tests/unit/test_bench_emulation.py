@@ -181,6 +181,9 @@ def test_a_target_some_run_misses_adds_the_worst_final_loss_which_all_reach():
     (["--loopback", "--emulated-device-ms", "5", "--", "--emulated-device-ms", "5"], "give it once"),
     (["--loopback", "--methods", "none,compute-only", "--target-loss-of", "compute-only"], "no target"),
     (["--loopback", "--methods", "edgc-schedule"], "unknown method"),
+    (["--loopback", "--methods", "none,edgc", "--method-args", "edgc-static=--edgc-wire native"],
+     "not among the runs"),
+    (["--loopback", "--methods", "edgc", "--method-args", "edgc --edgc-wire native"], "give METHOD=ARGS"),
 ])
 def test_bench_train_refuses_emulation_options_that_cannot_work(tmp_path, capsys, args, message):
     out = tmp_path / "b"

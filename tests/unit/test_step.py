@@ -120,8 +120,9 @@ def test_wire_bytes_per_slot_in_each_format():
               Group((5, 7), [4, 5], torch.zeros(2, 7, 3), None, torch.bfloat16)]
     assert slot_wire_bytes(SHAPES, dtypes, groups) == [(8 + 6) * 2 * 8] * 4 + [(5 + 7) * 3 * 2] * 2 + [7 * 4]
     assert slot_wire_bytes(SHAPES, dtypes, []) == [48 * 8] * 4 + [35 * 2] * 2 + [7 * 4]  # an uncompressed step
-    # int8: a byte an element and a 2-byte scale a block of 32, for factors and whole tensors alike
-    assert slot_wire_bytes(SHAPES, dtypes, groups, "int8") == [28 + 2] * 4 + [36 + 2 * 2] * 2 + [7 + 2]
+    # int8: a byte an element and a 2-byte scale a block of 32, for factors and whole tensors
+    # alike, and each factor column padded to a whole block (8 and 6 rows: 32 each)
+    assert slot_wire_bytes(SHAPES, dtypes, groups, "int8") == [64 * 2 + 2 * 4] * 4 + [64 * 3 + 2 * 6] * 2 + [7 + 2]
     assert slot_wire_bytes(SHAPES, dtypes, [], "int8") == [48 + 2 * 2] * 4 + [35 + 2 * 2] * 2 + [7 + 2]
 
 

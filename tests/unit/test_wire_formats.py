@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from edgc import EDGCConfig
-from edgc.comm.wire import BLOCK, codec, dequantize, quantize, quantized_bytes, wire_bytes
+from edgc.comm.units import Group, factor_buffers
+from edgc.comm.wire import BLOCK, codec, column_length, dequantize, quantize, quantized_bytes, wire_bytes
 
 
 @pytest.mark.parametrize("n", [1, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
@@ -44,6 +45,31 @@ def test_a_non_finite_value_makes_its_block_non_finite(wire, bad):
     y = dequantize(quantize(x, code), x.numel(), code, torch.float32)
     assert not torch.isfinite(y[:BLOCK]).any()
     assert torch.isfinite(y[BLOCK:]).all()
+
+
+def test_each_factor_column_starts_a_block_of_its_own():
+    # columns not a whole number of blocks long (as the P of a 50257-row embedding): a
+    # block shared by a loud column's end and a quiet column's start would round the quiet
+    # one away; padded, every column is rounded to its own blocks' steps
+    rows, rank = BLOCK + 17, 3
+    group = Group((rows, 8), [0], torch.zeros(1, 8, rank), None, torch.float32)
+    flats, works, sends = factor_buffers([group], [(1, rows, rank)], None, "int8")
+    assert column_length(rows, "int8") == 2 * BLOCK and column_length(rows, "native") == rows
+    p = torch.randn(1, rows, rank, generator=torch.Generator().manual_seed(0))
+    p[..., 0] *= 1e4
+    p[..., 2] *= 1e-4
+    sends[0].copy_(p)
+    (flat,) = flats
+    assert flat.numel() == rank * 2 * BLOCK
+    assert torch.equal(flat.view(rank, 2 * BLOCK)[:, rows:], torch.zeros(rank, BLOCK - 17))  # the padding
+    code = codec("int8")
+    flat.copy_(dequantize(quantize(flat, code), flat.numel(), code, torch.float32))  # the sum of one replica
+    for k in range(rank):
+        column, back = p[0, :, k], sends[0][0, :, k]
+        assert float((back - column).abs().max()) <= float(column.abs().max()) / 254 * (1 + 2**-7)
+    # native factors are laid out as they are, unpadded
+    flats, _, sends = factor_buffers([group], [(1, rows, rank)], None, "native")
+    assert flats[0].numel() == rows * rank and sends[0].shape == (1, rows, rank)
 
 
 def test_byte_counts():

@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import platform
+import shlex
 import time
 from pathlib import Path
 
@@ -222,6 +223,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--nodes also hsdp-native, hsdp-powersgd, hsdp-edgc (default: "
                         f"{DEFAULT_METHODS}, or with --nodes {NODE_METHODS})")
     p.add_argument("--rank", type=int, default=32, help="r_max; powersgd-rmin uses r_max/4")
+    p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
+                   help="more `edgc train` options for one method's run only, after those after -- (so they "
+                        "win), e.g. \"edgc-static=--edgc-wire native\" for float32 factors in that run alone; "
+                        "repeatable")
     target = p.add_mutually_exclusive_group()
     target.add_argument("--target-loss", type=float, default=None,
                         help="validation loss for time-to-target (default: the worst final loss of all methods)")
@@ -261,6 +266,21 @@ def _check_emulation(args: argparse.Namespace, names: list[str], extra: list[str
         resolve_target(dict.fromkeys(names, 0.0), of=args.target_loss_of)
 
 
+def _per_method_args(values: list[str], names: list[str]) -> dict[str, list[str]]:
+    """--method-args "METHOD=ARGS" values as each run's extra `edgc train` options; raises
+    ValueError for a value without "=" or naming a method that is not run."""
+    out: dict[str, list[str]] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"--method-args {value!r}: give METHOD=ARGS, e.g. \"edgc-static=--edgc-wire native\"")
+        if name not in names:
+            raise ValueError(f"--method-args names {name!r}, which is not among the runs ({', '.join(names)})")
+        out.setdefault(name, []).extend(shlex.split(rest))
+    return out
+
+
 def _flag_value(args: list[str], flag: str) -> str | None:
     """The value of the last `flag VALUE` or `flag=VALUE` in `args`, or None."""
     value = None
@@ -282,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
     methods = args.methods or (NODE_METHODS if args.nodes else DEFAULT_METHODS)
     specs = [_method_args(m.strip(), args.rank, layout) for m in methods.split(",") if m.strip()]
     _check_emulation(args, [name for name, _ in specs], extra)
+    own = _per_method_args(args.method_args, [name for name, _ in specs])
     cores = worker_cores(args.nproc, args.cores_per_worker) if args.cores_per_worker is not None else None
     if not args.loopback:
         try:
@@ -311,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             before = cluster.link_bytes()
             diverged = train_on_cluster(
-                cluster, [*common, "--steps", str(steps), "--out", str(run_dir), *method_args, *extra],
+                cluster, [*common, "--steps", str(steps), "--out", str(run_dir), *method_args, *extra,
+                          *own.get(name, [])],
                 run_dir, steps, timeout=args.timeout)
             after = cluster.link_bytes()
             wire[name] = (after[0] - before[0], after[1] - before[1])
@@ -366,7 +388,9 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
     return (
         f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-        + (f"; every run with `{' '.join(extra)}`" if extra else "") + ".\n\n"
+        + (f"; every run with `{' '.join(extra)}`" if extra else "")
+        + "".join(f"; {name} also with `{' '.join(a)}`" for name, a in
+                  _per_method_args(args.method_args, [d.name for d in runs]).items()) + ".\n\n"
         + "\n".join(lines) + "\n\n"
         + _target_markdown(loaded, {n: s.final_val_loss for n, s in sums.items()}, target, chosen)
         + (_share_markdown(share, sums.get("none")) if share else "")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from edgc.comm.wire import is_quantized, wire_bytes
+from edgc.comm.wire import column_length, is_quantized, wire_bytes
 
 __all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "factor_buffers", "flatten_by_dtype", "scatter",
            "slot_wire_bytes", "unit_plan", "working_dtype"]
@@ -92,7 +92,8 @@ def scatter(flat: torch.Tensor, outs: list[torch.Tensor], align: int = 1) -> Non
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
                     groups: Sequence[Group], wire: str = "native", side: int | None = None) -> list[int]:
     """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
-    of P and Q; alternating, m * r for P's step, `side` 0, or n * r for Q's, 1) for a
+    of P and Q, each column padded to a block in a quantized format: `column_length`;
+    alternating, m * r for P's step, `side` 0, or n * r for Q's, 1) for a
     matrix of `groups`, r being its group's q.shape[-1], in wire format `wire`
     (edgc.comm.wire.wire_bytes), and numel elements in that format for any other slot
     (sent whole). `groups` empty: a step sent uncompressed."""
@@ -100,7 +101,8 @@ def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequenc
                                                                                           strict=True)]
     for g in groups:
         for s in g.slots:
-            rows = sum(g.shape) if side is None else g.shape[side]
+            sides = g.shape if side is None else (g.shape[side],)
+            rows = sum(column_length(k, wire) for k in sides)
             sizes[s] = wire_bytes(rows * g.q.shape[-1], g.dtype.itemsize, wire)
     return sizes
 
@@ -174,21 +176,25 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
     The buffers are in the dtype that travels ("native": the gradient's; "bf16"), or in
     the working dtype for a quantized format, which quantizes as it sends. Where a group
     works in that dtype, its working view is its view to send (no copy). A quantized
-    format's buffer holds each matrix column by column, so that a block of consecutive
-    elements, which shares one scale, lies in one column: a factor's columns differ in
-    size by as much as the singular values they follow, and a block across them would
-    round the small ones away.
+    format's buffer holds each matrix column by column, each column starting a block of
+    its own (a column of `rows` elements takes `column_length(rows, wire)` of the buffer,
+    zeros after it), so that a block of consecutive elements, which shares one scale,
+    lies in one column: a factor's columns differ in size by as much as the singular
+    values they follow, and a block across them would round the small ones away.
     """
     quantized = is_quantized(wire)
     kinds = [_send_dtype(g.dtype, wire) for g in groups]
     flats, sent = [], {}  # sent: group's position -> its view to send
     for dtype in dtype_order(kinds):
         members = [i for i, k in enumerate(kinds) if k == dtype]
-        sizes = [math.prod(shapes[i]) for i in members]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        for i, view in zip(members, flat.split(sizes), strict=True):
+        columns = [column_length(shapes[i][1], wire) for i in members]
+        sizes = [shapes[i][0] * shapes[i][2] * c for i, c in zip(members, columns, strict=True)]
+        padded = any(c != shapes[i][1] for i, c in zip(members, columns, strict=True))
+        # (the padding after a column is zeros, never written: it sums to zero)
+        flat = (torch.zeros if padded else torch.empty)(sum(sizes), dtype=dtype, device=device)
+        for i, c, view in zip(members, columns, flat.split(sizes), strict=True):
             b, rows, r = shapes[i]
-            sent[i] = view.view(b, r, rows).transpose(1, 2) if quantized else view.view(shapes[i])
+            sent[i] = view.view(b, r, c)[:, :, :rows].transpose(1, 2) if quantized else view.view(shapes[i])
         flats.append(flat)
     sends = [sent[i] for i in range(len(groups))]
     works = [send if working_dtype(g.dtype) == send.dtype and not quantized

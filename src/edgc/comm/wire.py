@@ -31,6 +31,10 @@ tensors sent whole (biases, norms, any matrix too small to compress, and every t
 an uncompressed step such as the warm-up's), which a quantized format lays out so that
 each one starts a block of its own. Only the control values (a few float64) never change.
 
+A factor travels column by column, each column starting a block of its own (zeros after
+a column whose length is not a multiple of BLOCK: `column_length`), so that a block never
+holds the end of a large column and the start of a small one.
+
 For the factors, the error feedback absorbs what the rounding loses: it is M minus the
 reconstruction from the factors as they arrived, summed and dequantized (edgc.comm.step),
 so what was sent plus what is kept equals the input, in any format. A tensor sent whole
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "Codec", "alignment", "codec", "dequantize", "is_quantized", "quantize", "quantized_bytes",
+__all__ = ["BLOCK", "Codec", "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize", "quantized_bytes",
            "quantized_sum", "wire_bytes"]
 
 #: Elements per scale of a quantized buffer.
@@ -94,6 +98,13 @@ def alignment(wire: str) -> int:
     (edgc.comm.units.flatten_by_dtype): BLOCK for a quantized format, so that no block
     holds two tensors; 1 for the others."""
     return BLOCK if is_quantized(wire) else 1
+
+
+def column_length(rows: int, wire: str) -> int:
+    """The elements a factor column of `rows` elements takes in a buffer of format `wire`:
+    `rows` rounded up to a whole number of blocks for a quantized format (each column
+    starts a block: edgc.comm.units.factor_buffers), `rows` for the others."""
+    return rows + (-rows % alignment(wire))
 
 
 def wire_bytes(numel: int, element_size: int, wire: str) -> int:
