@@ -56,8 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "Codec", "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize", "quantized_bytes",
-           "quantized_sum", "wire_bytes"]
+__all__ = ["BLOCK", "Codec", "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize",
+           "quantized_bytes", "quantized_sum", "wire_bytes"]
 
 #: Elements per scale of a quantized buffer.
 BLOCK = 32
