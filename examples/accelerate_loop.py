@@ -11,9 +11,11 @@ Compression starts after `warmup_steps` uncompressed steps: 5 here, 1000 by defa
 """
 
 import argparse
+import gc
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 
 from edgc import EDGCConfig
@@ -74,6 +76,15 @@ def main() -> None:
     s = state.stats()
     accelerator.print(f"EDGC: {s.compressed_steps} of {s.step} steps compressed, last at rank {s.step_rank}, "
                       f"{s.compression_ratio:.2f}x fewer bytes than plain all-reduce")
+
+    # End the process group while Python is still alive (docs/integrations.md, "At exit"):
+    # left to the interpreter's shutdown, gloo can abort the process after its work is done.
+    del accelerator, model, optimizer, loader, state
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

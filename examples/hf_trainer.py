@@ -12,8 +12,10 @@ Compression starts after `warmup_steps` uncompressed steps: 5 here, 1000 by defa
 """
 
 import argparse
+import gc
 
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from edgc import EDGCConfig
@@ -57,6 +59,15 @@ def main() -> None:
     if trainer.is_world_process_zero():
         print(f"EDGC: {s.compressed_steps} of {s.step} steps compressed, last at rank {s.step_rank}, "
               f"{s.compression_ratio:.2f}x fewer bytes than plain all-reduce")
+
+    # End the process group while Python is still alive (docs/integrations.md, "At exit"):
+    # left to the interpreter's shutdown, gloo can abort the process after its work is done.
+    del trainer, edgc, model
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
