@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     # the report's ratios are against its first run: one that syncs, not compute-only
     ordered = sorted(runs, key=lambda d: d.name == "compute-only")
     table = markdown_table(report(ordered, out))
-    text = _bench_markdown(args, steps, runs, table, cluster, share)
+    text = _bench_markdown(args, steps, runs, table, cluster, share, own)
     if args.nodes and cluster.emulated:
         text += _nodes_markdown(runs, wire)
     (out / "bench.md").write_text(text)
@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], table: str, cluster: Cluster,
-                    share: SyncShare | None) -> str:
+                    share: SyncShare | None, own: dict[str, list[str]]) -> str:
     loaded = [(d.name, *load_run(d)) for d in runs]
     sums = {n: summarize(n, c, r) for n, c, r in loaded}
     comm = {n: _mean_comm_time(r) for n, _, r in loaded}
@@ -389,8 +389,7 @@ def _bench_markdown(args: argparse.Namespace, steps: int, runs: list[Path], tabl
         f"# edgc bench train\n\n{args.preset}, {args.nproc} workers, {link}, {steps} steps, r_max {args.rank}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
         + (f"; every run with `{' '.join(extra)}`" if extra else "")
-        + "".join(f"; {name} also with `{' '.join(a)}`" for name, a in
-                  _per_method_args(args.method_args, [d.name for d in runs]).items()) + ".\n\n"
+        + "".join(f"; {name} also with `{' '.join(a)}`" for name, a in own.items()) + ".\n\n"
         + "\n".join(lines) + "\n\n"
         + _target_markdown(loaded, {n: s.final_val_loss for n, s in sums.items()}, target, chosen)
         + (_share_markdown(share, sums.get("none")) if share else "")
