@@ -135,6 +135,12 @@ class EDGCConfig:
     """The warm-up's length in steps: the most ("gradient"), exactly ("fixed") or the
     least ("release-check"); 0 or more (torch's PowerSGD hook defaults to 1000)."""
 
+    warmup_min_steps: int = 0
+    """For warmup "gradient": the error is checked from this step on (at the checks every
+    round(1/iteration_sample_rate) steps), so at least this many steps are sent whole; at
+    most `warmup_steps`. Set it to the learning rate's warm-up, as `edgc train` does:
+    compressing while the rate still rises costs loss that later steps do not win back."""
+
     warmup_max_error: float = 0.1
     """For warmup "gradient": the share of the gradient's norm that compressing at r_max
     may leave out for the warm-up to end. In (0, 1]."""
@@ -269,6 +275,13 @@ class EDGCConfig:
                 bad(name, f"must be in [{MIN_SAMPLE_RATE:g}, 1]")
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be a non-negative integer")
+        if self.warmup_min_steps < 0:
+            bad("warmup_min_steps", "must be a non-negative integer")
+        if self.warmup_min_steps > self.warmup_steps:
+            bad("warmup_min_steps", f"must be at most warmup_steps ({self.warmup_steps})")
+        if self.warmup_min_steps != 0 and self.warmup != "gradient":
+            bad("warmup_min_steps", f'is read by warmup="gradient" only (warmup={self.warmup!r}: warmup_steps sets '
+                "the length)")
         if not 0.0 < self.warmup_max_error <= 1.0:
             bad("warmup_max_error", "must be in (0, 1]")
         if self.warmup_max_error != _DEFAULT_MAX_ERROR and self.warmup != "gradient":

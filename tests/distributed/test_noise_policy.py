@@ -59,12 +59,14 @@ def test_noise_policy_resumes_exactly_mid_window():
 GATED = dict(NOISE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 3, warmup="gradient")
 
 
-@pytest.mark.parametrize("max_error, first_compressed", [
-    (1.0, 4),  # any error passes: compression starts after the first check, at step 3
-    (1e-12, 21),  # none does: the warm-up lasts warmup_steps, its cap
+@pytest.mark.parametrize("max_error, min_steps, first_compressed", [
+    (1.0, 0, 4),  # any error passes: compression starts after the first check, at step 3
+    (1.0, 7, 10),  # ... the first check from step 7 on: step 9
+    (1e-12, 0, 21),  # none does: the warm-up lasts warmup_steps, its cap
 ])
-def test_warmup_ends_at_the_first_check_with_a_small_enough_error(max_error, first_compressed):
-    results = run_workers(workers.train_and_report, 2, dict(GATED, warmup_max_error=max_error), 24, timeout=240)
+def test_warmup_ends_at_the_first_check_with_a_small_enough_error(max_error, min_steps, first_compressed):
+    cfg = dict(GATED, warmup_max_error=max_error, warmup_min_steps=min_steps)
+    results = run_workers(workers.train_and_report, 2, cfg, 24, timeout=240)
     for r in results:
         ranks = [s[0] for s in r["signals"]]
         assert ranks.index(8) + 1 == first_compressed, ranks

@@ -85,6 +85,18 @@ def test_each_replica_sums_whole_blocks(wire, world):
     assert out[0]["bytes"] == quantized_bytes(5 * BLOCK, world)
 
 
+@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_two_replicas_round_once(wire, world):
+    # 2 replicas: one all-gather of each one's buffer, summed as it arrived; more: the
+    # reduce-scatter's sums are rounded again for the all-gather
+    out = run_workers(wire_workers.quantized_sum_blocks, world, wire, 4)
+    once = [torch.equal(r["sum"], r["rounded_once"]) for r in out]
+    assert once == [world == 2] * world
+    # the same bytes: a replica's buffer, once (codes and a scale a block)
+    assert out[0]["bytes"] == (4 * BLOCK + 2 * 4 if world == 2 else quantized_bytes(4 * BLOCK, world))
+
+
 def test_half_precision_tensors_sent_whole_keep_small_values():
     # fp16 gradients of 1e-6 to 1: summed and dequantized in float32 (an fp16 scale of a
     # block of values near 1e-6 would underflow and send zeros)

@@ -7,7 +7,7 @@ import torch
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.comm.buckets import sync_with_hook
 from edgc.comm.collectives import Collectives
-from edgc.comm.wire import BLOCK, codec
+from edgc.comm.wire import BLOCK, codec, dequantize, quantize
 
 # distinct shapes, so that each compressed group holds one parameter
 SHAPES = ((24, 16), (16, 10), (12, 30), (9,))
@@ -67,7 +67,10 @@ def quantized_sum_blocks(rank: int, world: int, wire: str, blocks: int) -> dict:
     collectives.wait([collectives.quantized_sum(flat, code)])
     exact = sum(values(r) for r in range(world)).view(blocks, BLOCK)
     worst = float(((flat.view(blocks, BLOCK) - exact).abs().amax(1) / exact.abs().amax(1)).max())
-    return {"sum": flat, "worst": worst, "bytes": collectives.bytes_sent}
+    # each replica's values rounded once, summed in replica order
+    n = blocks * BLOCK
+    once = sum(dequantize(quantize(values(r), code), n, code, torch.float64) for r in range(world))
+    return {"sum": flat, "worst": worst, "bytes": collectives.bytes_sent, "rounded_once": once}
 
 
 def whole_tensors(rank: int, world: int, wire: str, dtype: str = "float64", scale: float = 1.0) -> dict:

@@ -23,7 +23,8 @@ def as_edgc_0_1():
         flat = EDGCConfig.from_dict(values).to_flat()
         renamed = {"critical_lr_drop_factor": "lr_drop_factor", "cqm_smoothing": "entropy_smoothing",
                    "schedule_ranks": "rank_schedule"}
-        out = {renamed.get(k, k): v for k, v in flat.items() if k not in ("warmup", "warmup_max_error")}
+        new = ("warmup", "warmup_max_error", "warmup_min_steps")  # (0.1 had none of these)
+        out = {renamed.get(k, k): v for k, v in flat.items() if k not in new}
         mode = flat["warmup"]
         out["warmup_error_check"] = mode == "release-check"
         out["warmup_max_error"] = flat["warmup_max_error"] if mode == "gradient" else None

@@ -67,7 +67,32 @@ def test_warmup_max_error_is_capped_by_warmup_steps():
     assert gate.state_dict() == {"eps_max": None, "open": True}
 
 
+def test_warmup_checks_begin_at_min_steps():
+    gate = WarmupGate("gradient", warmup_steps=20, window=8, max_error=0.1, check_every=3, min_steps=7)
+    assert [s for s in range(1, 20) if gate.needs_errors(s)] == [9, 12, 15, 18]
+    assert not gate.update(6, eps_rmax=0.0)  # before min_steps: not a check, whatever the error
+    assert gate.update(9, eps_rmax=0.0)
+    # min_steps on a check step is checked; warmup_steps still caps the warm-up
+    assert WarmupGate("gradient", 20, 8, 0.1, 3, min_steps=6).update(6, eps_rmax=0.0)
+    assert WarmupGate("gradient", 7, 8, 0.1, 3, min_steps=7).update(7)
+
+
+def test_edgc_train_floors_the_warmup_at_the_learning_rates():
+    assert TrainConfig(steps=1000).edgc_config().warmup_min_steps == 50  # steps // 20
+    assert TrainConfig(steps=1000, lr_warmup_steps=30).edgc_config().warmup_min_steps == 30
+    assert TrainConfig(steps=1000, lr_warmup_steps=500).edgc_config().warmup_min_steps == 100  # warmup_steps caps it
+    assert TrainConfig(steps=1000, method="powersgd").edgc_config().warmup_min_steps == 50
+    assert TrainConfig(steps=1000, edgc={"warmup_min_steps": 0}).edgc_config().warmup_min_steps == 0
+    # a fixed warm-up (given, or a pipeline's) has no floor to set
+    assert TrainConfig(steps=1000, edgc={"warmup": "fixed"}).edgc_config().warmup_min_steps == 0
+    assert TrainConfig(steps=1000, pp=2, nproc=2).edgc_config().warmup_min_steps == 0
+    assert EDGCConfig().warmup_min_steps == 0  # the library cannot know the learning rate's warm-up
+
+
 @pytest.mark.parametrize("values, field", [
+    (dict(warmup_min_steps=-1), "warmup_min_steps"),
+    (dict(warmup_steps=10, warmup_min_steps=11), "warmup_min_steps"),
+    (dict(warmup="fixed", warmup_min_steps=5), "warmup_min_steps"),  # (it would be ignored)
     (dict(noise_exponent=0.0), "noise.exponent"),
     (dict(noise_exponent=-1.0), "noise.exponent"),
     (dict(noise_exponent=4.5), "noise.exponent"),
@@ -86,7 +111,7 @@ def test_config_errors_name_the_field(values, field):
 
 def test_config_defaults():
     cfg = EDGCConfig(max_rank=32)
-    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.125, "gradient", 0.1)
+    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.14, "gradient", 0.1)
     assert EDGCConfig(warmup_max_error=1.0).warmup_max_error == 1.0
 
 
@@ -112,8 +137,8 @@ def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warm
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup == "gradient"
     # a section's option given on resume is compared in the flat form the command line uses
-    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.125}}})
-    assert resumed.edgc_config().noise.exponent == 0.125
+    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.14}}})
+    assert resumed.edgc_config().noise.exponent == 0.14
     with pytest.raises(ValueError, match="--edgc-noise-exponent 0.25"):
         resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise_exponent": 0.25}})
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.timing import LapSum, start_lap
-from edgc.comm.wire import Codec, codec, quantized_bytes, quantized_sum
+from edgc.comm.wire import Codec, codec, gathered_sum, quantized_bytes, quantized_sum
 
 __all__ = ["Collectives", "Issued"]
 
@@ -206,8 +206,12 @@ class Collectives:
         world = self.world_size
         if world == 1:
             return Issued(None)
-        work, gather = quantized_sum(flat, code, self._process_group, world)
         self.bytes_sent += quantized_bytes(flat.numel(), world)
+        if world == 2:  # one all-gather, whose wait ends the sum
+            work, unpack = gathered_sum(flat, code, self._process_group)
+            self.recent_works.append(work)
+            return Issued(work, then=unpack)
+        work, gather = quantized_sum(flat, code, self._process_group, world)
         self.recent_works.append(work)
 
         def all_gather() -> Issued:

@@ -113,7 +113,7 @@ class GradientSync:
         self.compression = CompressionState(config.seed, config.state_dtype)
         self.policy = make_policy(config)
         self.gate = WarmupGate(config.warmup, config.warmup_steps, config.window, config.warmup_max_error,
-                               sample_stride(config.iteration_sample_rate))
+                               sample_stride(config.iteration_sample_rate), config.warmup_min_steps)
         self.calibration = Calibration(config.max_rank is not None, config.seed, config.calibration_repeats,
                                        config.min_compression_rate)
         self.entropy_window = EntropyWindow()

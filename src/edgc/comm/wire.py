@@ -20,9 +20,14 @@ Formats:
   Each replica's chunk is a whole number of blocks (the buffer is padded with zeros to
   `world` of them), so the blocks of every chunk are the buffer's own.
 
-  Each element is rounded twice, once as a replica's own value and once as the sum, and
-  never summed while rounded. Every replica dequantizes the same gathered bytes, so the
-  sum is bit-identical on all of them. The wire then carries (1 + 2 / BLOCK) bytes an
+  With 2 replicas the sum takes one collective instead: each replica's quantized buffer
+  goes to the other by an all-gather, and both add the two in replica order
+  (`gathered_sum`). The same bytes (each replica hands over its buffer once), one round
+  trip, one rounding.
+
+  With more, each element is rounded twice, once as a replica's own value and once as the
+  sum, and never summed while rounded. Every replica dequantizes the same gathered bytes,
+  so the sum is bit-identical on all of them. The wire then carries (1 + 2 / BLOCK) bytes an
   element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
   buffer of that many bytes would.
 
@@ -39,7 +44,8 @@ For the factors, the error feedback absorbs what the rounding loses: it is M min
 reconstruction from the factors as they arrived, summed and dequantized (edgc.comm.step),
 so what was sent plus what is kept equals the input, in any format. A tensor sent whole
 keeps no error feedback: its rounding, at most half a code step (1/254 of its block's
-largest magnitude for int8, twice), is lost, as in quantized all-reduces of gradients.
+largest magnitude for int8; twice with more than 2 replicas), is lost, as in quantized
+all-reduces of gradients.
 
 A sum that is inf or nan stays so: a block holding one has a non-finite scale, which makes
 every element of the block non-finite when dequantized, on every replica, so the step's
@@ -56,8 +62,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "Codec", "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize",
-           "quantized_bytes", "quantized_sum", "wire_bytes"]
+__all__ = ["BLOCK", "Codec", "alignment", "codec", "column_length", "dequantize", "gathered_sum", "is_quantized",
+           "quantize", "quantized_bytes", "quantized_sum", "wire_bytes"]
 
 #: Elements per scale of a quantized buffer.
 BLOCK = 32
@@ -134,7 +140,10 @@ def _row_bytes(numel: int) -> int:
 
 def quantized_bytes(numel: int, world: int) -> int:
     """The bytes a quantized sum of `numel` elements over `world` replicas hands over:
-    every chunk's codes and scales (what edgc counts as sent)."""
+    every chunk's codes and scales (what edgc counts as sent); with 2 replicas, each one's
+    whole buffer."""
+    if world == 2:
+        return _row_bytes(numel)
     return world * _row_bytes(_chunk(numel, world))
 
 
@@ -205,6 +214,30 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
         return done, unpack
 
     return work, gather
+
+
+def gathered_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None
+                 ) -> tuple[object, Callable[[], None]]:
+    """Start the quantized sum of `flat` over a `group` of 2 replicas (`quantized_sum` is
+    for more): each one's whole buffer, quantized once, goes to the other by one
+    all-gather. Returns its work handle and a function to call after its wait, which sums
+    the two buffers in replica order into `flat`. The same bytes as a reduce-scatter and
+    an all-gather (each replica hands over its buffer once), with one rounding and one
+    round trip instead of two."""
+    n = flat.numel()
+    row = _row_bytes(n)
+    gathered = torch.empty(2 * row, dtype=torch.uint8, device=flat.device)
+    # collective: all-gather of each replica's buffer, (1 + 2 / BLOCK) bytes per element
+    work = _all_gather(gathered, quantize(flat, code), group)
+    sum_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+
+    def unpack() -> None:
+        first, second = gathered.view(2, row)
+        total = dequantize(first, n, code, sum_dtype)
+        total += dequantize(second, n, code, sum_dtype)  # (replica 0's first on both: bit-identical)
+        flat.copy_(total)
+
+    return work, unpack
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> Any:

@@ -14,12 +14,13 @@ B / n is the ratio of the noise's energy in it to the signal's (E|G_avg|^2 = |G|
 the rank stays at r_max. Beyond, an error of the compressed step weighs less against
 the noise each step already carries, and the rank falls as
 
-    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.125 by default),
+    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.14 by default),
 
 clipped to [r_min, r_max], rounded to `rank_multiple` and moved at most `rank_step` per
 window (edgc.policy.window.limit_rank), so that a noisy window moves it little. gamma is
-a choice, not a law: 0.5 scales the rank with the noise's standard deviation; 0.125 is
-what measured best with int8 factors, which make rank cheap (docs/policies.md). Where the
+a choice, not a law: 0.5 scales the rank with the noise's standard deviation; 0.14 is
+what measured best with int8 factors, which make rank cheap, and a warm-up that lasts the
+learning rate's (docs/policies.md). Where the
 noise scale is unknown (one replica, a non-finite window) the rank stays where it is.
 
 Pure python: nothing here calls torch.distributed.
@@ -95,7 +96,7 @@ def next_noise_rank(noise: float, replicas: int, current: int, *, r_min: int, r_
 class NoiseConfig:
     """The "noise" policy's parameters (EDGCConfig.noise)."""
 
-    exponent: float = 0.125
+    exponent: float = 0.14
     """gamma in r = r_max * min(1, (n / B)^gamma), B the window's gradient noise scale in
     replica batches and n the replicas. In (0, 4]; a larger one drops the rank faster as
     the noise grows."""

@@ -1,9 +1,9 @@
 """When compression starts: the warm-up, in one of three modes (EDGCConfig.warmup).
 
-- "gradient": the gradient ends it. Every `check_every` steps the relative error of the
-  best rank-r_max approximation of the replica-averaged gradient is measured, and
-  compression starts after the first check where it is at most `max_error`, or after
-  `warmup_steps` at the latest.
+- "gradient": the gradient ends it. Every `check_every` steps from step `min_steps` on,
+  the relative error of the best rank-r_max approximation of the replica-averaged
+  gradient is measured, and compression starts after the first check where it is at most
+  `max_error`, or after `warmup_steps` at the latest.
 - "fixed": exactly `warmup_steps` uncompressed steps.
 - "release-check": the released code's criterion. At least `warmup_steps` uncompressed
   steps; eps_max, the error at r_max, is recorded at the first window end; then
@@ -25,7 +25,7 @@ class WarmupGate:
     """Decides the step after which compression begins (see the module doc)."""
 
     def __init__(self, mode: str, warmup_steps: int, window: int, max_error: float = 0.1,
-                 check_every: int = 1) -> None:
+                 check_every: int = 1, min_steps: int = 0) -> None:
         if mode not in WARMUP_MODES:
             raise ValueError(f"warm-up mode must be one of {WARMUP_MODES}, got {mode!r}")
         self.mode = mode
@@ -33,6 +33,7 @@ class WarmupGate:
         self.window = window
         self.max_error = max_error
         self.check_every = max(1, check_every)
+        self.min_steps = min_steps
         self.eps_max: float | None = None  # "release-check": the error at r_max at the first check
         self.open = False  # compression has started
 
@@ -41,7 +42,7 @@ class WarmupGate:
         if self.open or self.mode == "fixed":
             return False
         if self.mode == "gradient":
-            return step < self.warmup_steps and step % self.check_every == 0
+            return self._checks(step) and step < self.warmup_steps
         return step % self.window == 0
 
     def update(self, step: int, eps_rmin: float = math.nan, eps_rmax: float = math.nan) -> bool:
@@ -54,7 +55,7 @@ class WarmupGate:
             return True
         if self.mode == "gradient":
             self.open = step >= self.warmup_steps or (
-                step % self.check_every == 0 and math.isfinite(eps_rmax) and eps_rmax <= self.max_error)
+                self._checks(step) and math.isfinite(eps_rmax) and eps_rmax <= self.max_error)
             return self.open
         if self.mode == "fixed":
             self.open = step >= self.warmup_steps
@@ -68,6 +69,10 @@ class WarmupGate:
         if step >= self.warmup_steps and math.isfinite(eps_rmin) and eps_rmin < self.eps_max:
             self.open = True
         return self.open
+
+    def _checks(self, step: int) -> bool:
+        """True if "gradient" checks the error at the end of `step`."""
+        return step >= self.min_steps and step % self.check_every == 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"eps_max": self.eps_max, "open": self.open}

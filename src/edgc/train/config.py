@@ -73,6 +73,7 @@ class TrainConfig:
         "policy": f'"static" with --method powersgd, else "{EDGCConfig().policy}"', "max_rank": "--rank",
         "window": "steps // 15, at least 5", "iteration_sample_rate": "5 / window, in [0.1, 1]",
         "warmup_steps": "steps // 10, at least 1", "seed": "--seed",
+        "warmup_min_steps": "the learning rate's warm-up (--lr-warmup-steps), at most warmup_steps",
     }
     #: Placeholders for values that are not plain text (the CLI's help shows them).
     METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR", "lr_drop_steps": "STEP,..."}
@@ -470,7 +471,8 @@ class TrainConfig:
         The paper's window of 1000 iterations and alpha = 0.1 fit runs of 10^5 steps. For
         a run of S steps: window = S // 15 (at least 5) so the rank can move ~15 times;
         alpha gives at least 5 entropy samples per window; the warm-up lasts at most 10% of
-        the steps (release), ended by the gradient (EDGCConfig.warmup), fixed in a pipeline.
+        the steps (release), ended by the gradient (EDGCConfig.warmup) but not before the
+        learning rate's warm-up has ended (warmup_min_steps), fixed in a pipeline.
         """
         window = self.edgc.get("window", max(5, self.steps // 15))
         values: dict[str, Any] = {
@@ -489,6 +491,11 @@ class TrainConfig:
             **({"warmup": "fixed"} if self.pp > 1 else {}),
         }
         values.update(self.edgc)
+        if values.get("warmup", EDGCConfig().warmup) == "gradient" and "warmup_min_steps" not in self.edgc:
+            # compression starts once the learning rate has stopped rising
+            lr_warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, self.steps // 20)
+            most = values["warmup_steps"]
+            values["warmup_min_steps"] = min(lr_warmup, most) if isinstance(most, int) and most >= 0 else 0
         return EDGCConfig.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
