@@ -143,6 +143,14 @@ def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warm
         resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise_exponent": 0.25}})
 
 
+def test_a_run_saved_before_the_warmup_floor_resumes_without_it(tmp_path):
+    saved = TrainConfig(out=str(tmp_path), steps=1000).resolve().to_dict()
+    assert saved["edgc"]["warmup_min_steps"] == 50
+    del saved["edgc"]["warmup_min_steps"]  # (as runs were saved before the field)
+    save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": saved})
+    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup_min_steps == 0
+
+
 def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tmp_path, monkeypatch):
     # each stage measures its own gradient: the stages would end their warm-ups apart, and
     # the DAC's window-end exchange needs them all compressing
