@@ -19,9 +19,10 @@ the noise each step already carries, and the rank falls as
 clipped to [r_min, r_max], rounded to `rank_multiple` and moved at most `rank_step` per
 window (edgc.policy.window.limit_rank), so that a noisy window moves it little. gamma is
 a choice, not a law: 0.5 scales the rank with the noise's standard deviation; 0.14 is
-what measured best with int8 factors, which make rank cheap, and a warm-up that lasts the
-learning rate's (docs/policies.md). Where the
-noise scale is unknown (one replica, a non-finite window) the rank stays where it is.
+what measured best with int8 factors, which make rank cheap, and a warm-up as long as the
+learning rate's: the smallest gamma tried that kept the default within a quarter of static
+rank 32's bytes (docs/policies.md). Where the noise scale is unknown (one replica, a
+non-finite window) the rank stays where it is.
 
 Pure python: nothing here calls torch.distributed.
 """
