@@ -136,9 +136,9 @@ class EDGCConfig:
     least ("release-check"); 0 or more (torch's PowerSGD hook defaults to 1000)."""
 
     warmup_min_steps: int = 0
-    """For warmup "gradient": the error is checked from this step on (at the checks every
-    round(1/iteration_sample_rate) steps), so at least this many steps are sent whole; at
-    most `warmup_steps`. Set it to the learning rate's warm-up, as `edgc train` does:
+    """For warmup "gradient": the fewest steps sent whole. Compression starts after the
+    first check that passes or after this step, whichever is later; at most
+    `warmup_steps`. Set it to the learning rate's warm-up, as `edgc train` does:
     compressing while the rate still rises costs loss that later steps do not win back."""
 
     warmup_max_error: float = 0.1

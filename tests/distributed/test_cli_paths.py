@@ -276,13 +276,13 @@ def test_noise_policy_and_a_warmup_the_gradient_ends_through_the_cli_resume_exac
 def test_compression_starts_once_the_learning_rate_warmup_has_ended(tmp_path, data_dir):
     # checks every 2nd step (alpha 1/2) and any error passes: without a floor the warm-up
     # ends at the first check, step 2; edgc train floors it at the learning rate's warm-up
-    # (5 steps), so the first check is step 6; --edgc-warmup-min-steps 0 takes the floor away
+    # (5 steps), so compression starts at step 6; --edgc-warmup-min-steps 0 takes the floor away
     common = ["--method", "edgc", "--steps", "10", "--eval-every", "10", "--lr-warmup-steps", "5",
               "--edgc-iteration-sample-rate", "0.5", "--edgc-warmup-steps", "8", "--edgc-warmup-max-error", "1"]
     floored, bare = tmp_path / "floored", tmp_path / "bare"
     assert main(_train(data_dir, floored, *common)) == 0
     assert main(_train(data_dir, bare, *common, "--edgc-warmup-min-steps", "0")) == 0
-    assert [r["rank"] for r in _train_records(floored)] == [0] * 6 + [4] * 4
+    assert [r["rank"] for r in _train_records(floored)] == [0] * 5 + [4] * 5
     assert [r["rank"] for r in _train_records(bare)] == [0] * 2 + [4] * 8
     assert json.loads((floored / "config.json").read_text())["edgc"]["warmup_min_steps"] == 5
     proc = _edgc(*_train(data_dir, tmp_path / "bad", *common, "--edgc-warmup-min-steps", "9"), cwd=tmp_path)

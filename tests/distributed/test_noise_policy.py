@@ -61,7 +61,7 @@ GATED = dict(NOISE, policy="static", warmup_steps=20, iteration_sample_rate=1 / 
 
 @pytest.mark.parametrize("max_error, min_steps, first_compressed", [
     (1.0, 0, 4),  # any error passes: compression starts after the first check, at step 3
-    (1.0, 7, 10),  # ... the first check from step 7 on: step 9
+    (1.0, 7, 8),  # ... at step 3, but no compression before step 7 has ended
     (1e-12, 0, 21),  # none does: the warm-up lasts warmup_steps, its cap
 ])
 def test_warmup_ends_at_the_first_check_with_a_small_enough_error(max_error, min_steps, first_compressed):

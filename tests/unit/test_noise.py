@@ -63,18 +63,27 @@ def test_warmup_max_error_is_capped_by_warmup_steps():
     assert not gate.update(3, eps_rmax=0.5) and not gate.update(6, eps_rmax=0.5)
     assert gate.update(7) and not gate.needs_errors(9)
     assert not WarmupGate("gradient", warmup_steps=6, window=8, max_error=0.1, check_every=3).needs_errors(6)
-    # the state holds only whether the gate is open
-    assert gate.state_dict() == {"eps_max": None, "open": True}
+    # the state holds whether a check passed and whether the gate is open
+    assert gate.state_dict() == {"eps_max": None, "passed": False, "open": True}
 
 
-def test_warmup_checks_begin_at_min_steps():
+def test_a_passed_check_waits_for_min_steps():
     gate = WarmupGate("gradient", warmup_steps=20, window=8, max_error=0.1, check_every=3, min_steps=7)
-    assert [s for s in range(1, 20) if gate.needs_errors(s)] == [9, 12, 15, 18]
-    assert not gate.update(6, eps_rmax=0.0)  # before min_steps: not a check, whatever the error
-    assert gate.update(9, eps_rmax=0.0)
-    # min_steps on a check step is checked; warmup_steps still caps the warm-up
-    assert WarmupGate("gradient", 20, 8, 0.1, 3, min_steps=6).update(6, eps_rmax=0.0)
-    assert WarmupGate("gradient", 7, 8, 0.1, 3, min_steps=7).update(7)
+    assert not gate.update(3, eps_rmax=0.5)  # too large an error
+    assert not gate.update(6, eps_rmax=0.05)  # passes, but before min_steps
+    assert gate.state_dict() == {"eps_max": None, "passed": True, "open": False}
+    assert not gate.needs_errors(9)  # passed: nothing more to measure
+    restored = WarmupGate("gradient", 20, 8, 0.1, 3, min_steps=7)
+    restored.load_state_dict(gate.state_dict())  # (a checkpoint between the check and the floor)
+    assert restored.update(7) and gate.update(7)  # compression starts after step 7
+    # a check passing after min_steps opens at once; warmup_steps still caps the warm-up
+    late = WarmupGate("gradient", 20, 8, 0.1, 3, min_steps=7)
+    assert not late.update(9, eps_rmax=0.2) and late.update(12, eps_rmax=0.1)
+    assert WarmupGate("gradient", 7, 8, 1e-9, 3, min_steps=7).update(7)
+    # a state saved before `passed` existed: an open gate stays open, a closed one checks again
+    old = WarmupGate("gradient", 20, 8, 0.1, 3, min_steps=7)
+    old.load_state_dict({"eps_max": None, "open": False})
+    assert not old.passed and old.needs_errors(9)
 
 
 def test_edgc_train_floors_the_warmup_at_the_learning_rates():

@@ -1,9 +1,9 @@
 """When compression starts: the warm-up, in one of three modes (EDGCConfig.warmup).
 
-- "gradient": the gradient ends it. Every `check_every` steps from step `min_steps` on,
-  the relative error of the best rank-r_max approximation of the replica-averaged
-  gradient is measured, and compression starts after the first check where it is at most
-  `max_error`, or after `warmup_steps` at the latest.
+- "gradient": the gradient ends it. Every `check_every` steps the relative error of the
+  best rank-r_max approximation of the replica-averaged gradient is measured until a check
+  finds it at most `max_error`; compression starts after that check, or after step
+  `min_steps` if that is later, and after `warmup_steps` at the latest.
 - "fixed": exactly `warmup_steps` uncompressed steps.
 - "release-check": the released code's criterion. At least `warmup_steps` uncompressed
   steps; eps_max, the error at r_max, is recorded at the first window end; then
@@ -35,6 +35,7 @@ class WarmupGate:
         self.check_every = max(1, check_every)
         self.min_steps = min_steps
         self.eps_max: float | None = None  # "release-check": the error at r_max at the first check
+        self.passed = False  # "gradient": a check found the error small enough
         self.open = False  # compression has started
 
     def needs_errors(self, step: int) -> bool:
@@ -42,7 +43,7 @@ class WarmupGate:
         if self.open or self.mode == "fixed":
             return False
         if self.mode == "gradient":
-            return self._checks(step) and step < self.warmup_steps
+            return not self.passed and step % self.check_every == 0 and step < self.warmup_steps
         return step % self.window == 0
 
     def update(self, step: int, eps_rmin: float = math.nan, eps_rmax: float = math.nan) -> bool:
@@ -54,8 +55,9 @@ class WarmupGate:
         if self.open:
             return True
         if self.mode == "gradient":
-            self.open = step >= self.warmup_steps or (
-                self._checks(step) and math.isfinite(eps_rmax) and eps_rmax <= self.max_error)
+            if step % self.check_every == 0 and math.isfinite(eps_rmax) and eps_rmax <= self.max_error:
+                self.passed = True
+            self.open = step >= self.warmup_steps or (self.passed and step >= self.min_steps)
             return self.open
         if self.mode == "fixed":
             self.open = step >= self.warmup_steps
@@ -70,13 +72,11 @@ class WarmupGate:
             self.open = True
         return self.open
 
-    def _checks(self, step: int) -> bool:
-        """True if "gradient" checks the error at the end of `step`."""
-        return step >= self.min_steps and step % self.check_every == 0
-
     def state_dict(self) -> dict[str, Any]:
-        return {"eps_max": self.eps_max, "open": self.open}
+        return {"eps_max": self.eps_max, "passed": self.passed, "open": self.open}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.eps_max = d["eps_max"]
         self.open = bool(d["open"])
+        # (states saved before the floor existed: an open gate had passed, a closed one checks again)
+        self.passed = bool(d.get("passed", self.open))
