@@ -194,10 +194,7 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
     # collective: all-to-all of (1 + 2 / BLOCK) bytes per element: chunk j to replica j
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
-    # (half-precision buffers, the tensors sent whole of bf16 or fp16 gradients, are summed
-    # and dequantized in float32: an fp16 product of a code and a scale of a block of small
-    # values would underflow)
-    sum_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+    sum_dtype = _sum_dtype(flat)
 
     def gather() -> tuple[object, Callable[[], None]]:
         pieces = recv.view(world, row)
@@ -229,7 +226,7 @@ def gathered_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | Non
     gathered = torch.empty(2 * row, dtype=torch.uint8, device=flat.device)
     # collective: all-gather of each replica's buffer, (1 + 2 / BLOCK) bytes per element
     work = _all_gather(gathered, quantize(flat, code), group)
-    sum_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+    sum_dtype = _sum_dtype(flat)
 
     def unpack() -> None:
         first, second = gathered.view(2, row)
@@ -238,6 +235,13 @@ def gathered_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | Non
         flat.copy_(total)
 
     return work, unpack
+
+
+def _sum_dtype(flat: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized sum of `flat` is dequantized and added in: float32 for half
+    precision (an fp16 product of a code and a scale of a block of small values would
+    underflow), else flat's own."""
+    return torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> Any:

@@ -454,7 +454,7 @@ class TrainConfig:
         if c.min_lr is None:
             c.min_lr = c.lr / 10
         if c.lr_warmup_steps is None:
-            c.lr_warmup_steps = max(1, c.steps // 20)
+            c.lr_warmup_steps = c.resolved_lr_warmup_steps()
         if c.eval_every is None:
             c.eval_every = max(1, c.steps // 6)
         if c.checkpoint_every is None:
@@ -464,6 +464,10 @@ class TrainConfig:
         if c.pp > 1 and c.microbatches is None:
             c.microbatches = 2 * c.pp
         return c
+
+    def resolved_lr_warmup_steps(self) -> int:
+        """The learning rate's warm-up in steps: as given, else a twentieth of the run."""
+        return self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, self.steps // 20)
 
     def edgc_config(self) -> EDGCConfig:
         """The EDGCConfig for this run: overrides from `edgc`, the rest scaled to `steps`.
@@ -493,7 +497,7 @@ class TrainConfig:
         values.update(self.edgc)
         if values.get("warmup", EDGCConfig().warmup) == "gradient" and "warmup_min_steps" not in self.edgc:
             # compression starts once the learning rate has stopped rising
-            lr_warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, self.steps // 20)
+            lr_warmup = self.resolved_lr_warmup_steps()
             most = values["warmup_steps"]
             values["warmup_min_steps"] = min(lr_warmup, most) if isinstance(most, int) and most >= 0 else 0
         return EDGCConfig.from_dict(values)
