@@ -9,8 +9,10 @@ its own, else gloo, which carries CUDA tensors (NCCL refuses two ranks on one GP
 Reported per step (median over measured steps, after `--skip` steps of warm-up):
 
 - step time (forward + backward + hook + optimiser) and its ratio to ours;
-- bytes handed to all_reduce (counted by wrapping torch.distributed.all_reduce, so both
-  hooks are measured the same way);
+- bytes handed to the collectives per worker (counted by wrapping torch.distributed's
+  all_reduce, all_to_all_single and all-gather, so both hooks are measured the same way:
+  what each call is given to send, whatever its format); for `none`, whose all-reduce
+  DDP issues from C++ where no wrapper sees it, the gradient's own bytes;
 - compression time: the hook's wall time in a 1-process run, where collectives cost
   next to nothing, so what remains is the compression arithmetic. On CUDA the device is
   synchronised before and after the hook in that run, so that the time is the kernels'
@@ -41,14 +43,32 @@ from edgc.train.launch import run_local
 METHODS = ("none", "torch-powersgd", "edgc-static")
 
 
-def _counting_all_reduce(counter: dict):
-    original = dist.all_reduce
+#: torch.distributed's collectives a hook may call, and which argument holds what it sends
+#: (all_gather_single is the name torch 2.13 gives all_gather_into_tensor).
+_COUNTED = {"all_reduce": 0, "all_to_all_single": 1, "all_gather_into_tensor": 1, "all_gather_single": 1}
 
-    def all_reduce(tensor, *args, **kwargs):
-        counter["bytes"] += tensor.numel() * tensor.element_size()
-        return original(tensor, *args, **kwargs)
 
-    return original, all_reduce
+def _count_collectives(counter: dict) -> dict:
+    """Wrap torch.distributed's collectives to add the bytes each call sends to
+    counter["bytes"]; returns the originals, for `_restore`."""
+    originals = {name: getattr(dist, name) for name in _COUNTED if hasattr(dist, name)}
+
+    def counting(name, original):
+        def collective(*args, **kwargs):
+            sent = args[_COUNTED[name]]
+            counter["bytes"] += sent.numel() * sent.element_size()
+            return original(*args, **kwargs)
+
+        return collective
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    return originals
+
+
+def _restore(originals: dict) -> None:
+    for name, original in originals.items():
+        setattr(dist, name, original)
 
 
 def _timed(hook, counter: dict):
@@ -86,10 +106,10 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict
         counter["sync"] = True  # wait per bucket: keeps gloo's collective order fixed
         ddp.register_comm_hook(state, _timed(torch_psgd.powerSGD_hook, counter))
     elif method == "edgc-static":
-        config = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=1)
+        config = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=1, wire=args.wire)
         ddp.register_comm_hook(EDGCState(None, config), _timed(edgc_hook, counter))
-    original, patched = _counting_all_reduce(counter)
-    dist.all_reduce = patched
+    originals = _count_collectives(counter)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)
     steps = []
@@ -108,9 +128,10 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict
                 torch.cuda.synchronize()
             t = time.perf_counter() - t0
             if step >= args.skip:
-                steps.append((t, counter["bytes"], counter["hook_seconds"]))
+                sent = gradient_bytes if method == "none" else counter["bytes"]
+                steps.append((t, sent, counter["hook_seconds"]))
     finally:
-        dist.all_reduce = original
+        _restore(originals)
     return {
         "step_s": statistics.median(s[0] for s in steps),
         "bytes": statistics.median(s[1] for s in steps),
@@ -129,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
+    parser.add_argument("--wire", default=EDGCConfig().wire,
+                        help="edgc-static's wire format (EDGCConfig.wire; default: the library's, %(default)s); "
+                             "torch's hook sends the gradient's dtype")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the workers run (cuda: every worker on a GPU, shared when there are fewer)")
     return parser
@@ -160,13 +184,14 @@ def main() -> None:
                                            f"{torch.get_num_threads()} threads")
     print(f"\n{args.preset} GPT ({n_params / 1e6:.2f}M params), rank {args.rank}, "
           f"{args.nproc} {_backend(args.device, args.nproc)} workers on {args.device}, "
-          f"batch {args.batch}x{args.block}, bucket {args.bucket_mb} MB, torch {torch.__version__}, {where}\n")
+          f"batch {args.batch}x{args.block}, bucket {args.bucket_mb} MB, edgc wire {args.wire}, "
+          f"torch {torch.__version__}, {where}\n")
     ours = rows["edgc-static"]
     print("| method | step time (ms) | vs edgc | bytes/step | hook time, N procs (ms) "
           "| compression time, 1 proc (ms) |")
     print("|---|---|---|---|---|---|")
     for method, r in rows.items():
-        print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / ours['step_s']:.2f} | {r['bytes']:,} | "
+        print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / ours['step_s']:.2f} | {r['bytes']:,.0f} | "
               f"{r['comm_hook_s'] * 1e3:.2f} | {r['compress_s'] * 1e3:.2f} |")
     if args.device == "cuda":
         print("\nOn CUDA the 1-process compression time is taken with the device synchronised around the hook "

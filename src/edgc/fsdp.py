@@ -175,13 +175,24 @@ def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str 
     across `mesh[replicate_dim]` handled (the hook runs after it)."""
     from torch.distributed.fsdp import FSDPModule
 
-    hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
+    hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and _param_groups(m)]
     if not hooked:
         raise ValueError("count_native_hsdp found no FSDPModule with parameters in the model")
     state = NativeHSDPState(mesh[replicate_dim].get_group(), len(hooked))
     for m in hooked:
         m.set_all_reduce_hook(state.count)
     return state
+
+
+def _param_groups(module: Any) -> list[Any]:
+    """An FSDPModule's parameter groups: a list in recent torch (`_fsdp_param_groups`), one
+    group or None in older releases such as 2.11 (`_fsdp_param_group`)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def _mesh_groups(mesh: DeviceMesh, replicate: str, shard: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -223,7 +234,7 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
         raise ValueError("register_edgc found no FSDPModule in the model: shard it with "
                          f"fully_shard(module, mesh=mesh[{shard_dim!r}]) first")
     for name, m in fsdp_modules:
-        groups = m._get_fsdp_state()._fsdp_param_groups
+        groups = _param_groups(m)
         label = name or "<root>"
         if len(groups) > 1:
             raise ValueError(f"FSDPModule {label!r} has {len(groups)} parameter groups (a per-parameter mesh); "

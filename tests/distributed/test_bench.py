@@ -14,6 +14,7 @@ from edgc.bench.emulation import SyncShare, measured_compute
 from edgc.bench.netns import Cluster, NetnsUnavailable, parse_rate
 from edgc.bench.train import first_reached, time_to_target
 from edgc.cli import main
+from edgc.models import build_model
 from edgc.train.launch import WorkerError
 from edgc.train.metrics import read_metrics
 from edgc.train.summary import load_run, summarize
@@ -330,3 +331,30 @@ def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
                            "--skip", skip, "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "p").exists()
+
+
+def test_hook_vs_torch_counts_what_each_method_sends():
+    """The benchmark's bytes per step, as its table prints them: the gradient's bytes for
+    none, torch's float32 P and Q, and edgc's in the wire format it is given (the byte
+    count once missed edgc's all-gathers and printed 0)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    bytes_per_step = {}
+    for wire in ("int8", "native"):
+        out = subprocess.run(
+            [sys.executable, os.path.join(root, "benchmarks", "hook_vs_torch.py"), "--steps", "4", "--skip", "2",
+             "--wire", wire],
+            capture_output=True, text=True, timeout=600, check=True,
+        ).stdout
+        assert f"edgc wire {wire}" in out
+        rows = {cells[1]: cells for line in out.splitlines()
+                if line.startswith("| ") and len(cells := [c.strip() for c in line.split("|")]) > 4}
+        bytes_per_step[wire] = {method: int(rows[method][4].replace(",", ""))
+                                for method in ("none", "torch-powersgd", "edgc-static")}
+    none, torch_psgd = bytes_per_step["native"]["none"], bytes_per_step["native"]["torch-powersgd"]
+    model = build_model("tiny", vocab_size=2048, block_size=128, device="meta")  # (the benchmark's defaults)
+    assert none == 4 * sum(p.numel() for p in model.parameters())
+    # at the same rank and in float32, edgc sends what torch's hook sends, plus its
+    # control values on the steps that have them
+    assert torch_psgd <= bytes_per_step["native"]["edgc-static"] < torch_psgd + 1024
+    # int8: a quarter of that, plus a bfloat16 scale per 32 values and the padding of columns
+    assert torch_psgd / 4 < bytes_per_step["int8"]["edgc-static"] < torch_psgd / 2

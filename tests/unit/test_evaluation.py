@@ -183,3 +183,24 @@ def test_edgc_report_names_a_broken_config_json(tmp_path, content, message):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(f"edgc report: error: {message}"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize("layout,one_replica", [
+    ({"world_size": 1}, True),
+    ({"world_size": 2}, False),
+    ({"world_size": 2, "pp": 2}, True),  # (two stages of one replica)
+    ({"world_size": 1, "dp_shard": 1, "dp_replicate": 1}, True),  # (HSDP on a 1 x 1 mesh)
+    ({"world_size": 4, "dp_shard": 2, "dp_replicate": 2}, False),
+    ({"world_size": 2, "dp_shard": 2, "dp_replicate": None}, True),  # (FSDP2 over one node)
+])
+def test_a_summary_of_one_replica_says_no_bytes_crossed_a_link(tmp_path, layout, one_replica):
+    # (a one-worker run on the lent GPU once read "0.0 MB sent ... (89322.67x fewer)")
+    from edgc.train.summary import write_summary
+
+    _fake_run(tmp_path / "run", 5.0, 0.005)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**config, **layout}))
+    text = write_summary(tmp_path / "run").read_text()
+    assert ("Bytes: none cross a link, with one replica." in text) == one_replica
+    assert ("MB for uncompressed all-reduce" in text) != one_replica
+    assert ("1 worker," in text) == (layout["world_size"] == 1)

@@ -188,7 +188,19 @@ def _layout(config: dict[str, Any]) -> str:
     if pp > 1 and world:
         return (f"{world} workers as {pp} pipeline stages x {world // pp} replicas "
                 f"({config.get('schedule')}, {config.get('microbatches')} micro-batches)")
-    return f"{world} workers"
+    return f"{world} worker" + ("" if world == 1 else "s")
+
+
+def _replicas(config: dict[str, Any]) -> int | None:
+    """How many replicas a run's gradient was averaged over: the data-parallel ones (under
+    HSDP the nodes, dp_replicate; with pipelining world // pp); None where the config does
+    not say."""
+    world = config.get("world_size")
+    if not world:
+        return None
+    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None:  # (FSDP2, TrainConfig.fsdp)
+        return config.get("dp_replicate") or max(1, world // config.get("dp_shard", 1))
+    return max(1, world // (config.get("pp") or 1))
 
 
 def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
@@ -217,15 +229,20 @@ def write_summary(run_dir: str | Path) -> Path:
     s = summarize(run_dir.name, config, records)
     plot_runs([(s.method, records)], run_dir)
     ratio = s.total_bytes_uncompressed / s.total_bytes if s.total_bytes else 1.0
+    if _replicas(config) == 1:  # (what is counted then crosses no link: a ring of one sends nothing)
+        bytes_line = "Bytes: none cross a link, with one replica.\n\n"
+    else:
+        bytes_line = (f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages) against "
+                      f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce "
+                      f"({ratio:.2f}x fewer).\n\n")
     text = (
         f"# Run {run_dir.name}\n\n"
         f"{config['method']} on {config['preset']}, {_layout(config)}, {s.steps} steps.\n\n"
         + table([s]) + "\n"
         + _validation_line(config, records)
         + stage_table([(run_dir.name, config, records)])
-        + f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages) against "
-        f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce ({ratio:.2f}x fewer).\n\n"
-        "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
+        + bytes_line
+        + "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
         + ("![stages](stages.png)\n" if (run_dir / "stages.png").is_file() else "")
     )
     path = run_dir / "summary.md"
