@@ -198,7 +198,7 @@ def _replicas(config: dict[str, Any]) -> int | None:
     world = config.get("world_size")
     if not world:
         return None
-    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None:  # (FSDP2, TrainConfig.fsdp)
+    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None:  # (TrainConfig.hsdp, read off the dict)
         return config.get("dp_replicate") or max(1, world // config.get("dp_shard", 1))
     return max(1, world // (config.get("pp") or 1))
 
@@ -228,10 +228,10 @@ def write_summary(run_dir: str | Path) -> Path:
     config, records = load_run(run_dir)
     s = summarize(run_dir.name, config, records)
     plot_runs([(s.method, records)], run_dir)
-    ratio = s.total_bytes_uncompressed / s.total_bytes if s.total_bytes else 1.0
     if _replicas(config) == 1:  # (what is counted then crosses no link: a ring of one sends nothing)
         bytes_line = "Bytes: none cross a link, with one replica.\n\n"
     else:
+        ratio = s.total_bytes_uncompressed / s.total_bytes if s.total_bytes else 1.0
         bytes_line = (f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages) against "
                       f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce "
                       f"({ratio:.2f}x fewer).\n\n")
