@@ -198,7 +198,8 @@ def _replicas(config: dict[str, Any]) -> int | None:
     world = config.get("world_size")
     if not world:
         return None
-    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None:  # (TrainConfig.hsdp, read off the dict)
+    # (FSDP2 or HSDP: TrainConfig.hsdp, read off the saved dict)
+    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None:
         return config.get("dp_replicate") or max(1, world // config.get("dp_shard", 1))
     return max(1, world // (config.get("pp") or 1))
 
