@@ -667,3 +667,47 @@ def replicas_check(rank: int, world: int, out: str) -> dict:
     gathered = None if got is None else [g["x"].tolist() for g in got]
     return {"mine": state.state_dict(), "on_one": on_one, "on_all": on_all, "scattered": scattered,
             "from_file": from_file.state_dict(), "wrong_length": wrong_length, "gathered": gathered}
+
+
+
+class WideNet(nn.Module):
+    """About 1.4M parameters: several DDP buckets at torch.compile's smallest bucket size
+    (1 MiB, DDP's first bucket, which torch's DDPOptimizer requires as the least)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 256)
+        self.fc1 = nn.Linear(256, 1024)
+        self.norm = nn.LayerNorm(1024)
+        self.fc2 = nn.Linear(1024, 1024)
+        self.fc3 = nn.Linear(1024, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.norm(F.gelu(self.fc1(self.emb(idx))))
+        return self.fc3(F.gelu(self.fc2(x)))
+
+
+def train_compiled(rank: int, world: int, config_kwargs: dict, steps: int, how: str) -> dict:
+    """Train WideNet with the hook as a user who compiles would: `how` is "eager" (not
+    compiled), "module" (model.compile() before DDP wraps it) or "ddp" (torch.compile of
+    the DDP module). Either way torch splits the compiled graph at DDP's bucket boundaries
+    (its DDPOptimizer), so the reducer hands buckets over during the backward pass. The
+    aot_eager backend: the graphs and AOTAutograd's backward that inductor would compile,
+    without the C++ build."""
+    config = EDGCConfig.from_dict(config_kwargs)
+    torch.manual_seed(0)
+    model = WideNet()
+    if how == "module":
+        model.compile(backend="aot_eager")
+    ddp = DDP(model, bucket_cap_mb=1)
+    state = EDGCState(process_group=None, config=config)
+    ddp.register_comm_hook(state, edgc_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    step_fn = torch.compile(ddp, backend="aot_eager") if how == "ddp" else ddp
+    torch._dynamo.utils.counters.clear()
+    losses, ranks = _train(step_fn, opt, state, rank, 0, steps)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reducer = ddp.reducer
+    n_buckets = len(reducer._get_zeros_like_grad_buckets()) if hasattr(reducer, "_get_zeros_like_grad_buckets") else -1
+    return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}

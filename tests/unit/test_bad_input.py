@@ -263,6 +263,17 @@ def test_null_is_refused_where_the_field_takes_no_none(capsys):
     assert code == 2 and _one_line(err) == "edgc train: error: argument --steps: expected an integer, got 'null'"
 
 
+def test_compile_refuses_ddp_buckets_smaller_than_torch_compile_splits_at(workdir, capsys):
+    code, err = _run(["train", "--out", "new", "--compile", "--bucket-cap-mb", "0.5"], capsys)
+    assert code == 2 and _one_line(err) == (
+        "edgc train: error: bucket_cap_mb=0.5: must be at least 1 with --compile: torch.compile splits a DDP "
+        "model's graph at its buckets and needs them no smaller than DDP's first (1 MB)")
+    assert not (workdir / "new").exists()
+    TrainConfig(compile=True, bucket_cap_mb=1.0).validate()
+    TrainConfig(compile=True, bucket_cap_mb=0.5, dp_shard=2, dp_replicate=1).validate()  # (HSDP: no DDP buckets)
+    TrainConfig(compile=False, bucket_cap_mb=0.5).validate()
+
+
 def test_unknown_flag_is_one_line(capsys):
     code, err = _run(["train", "--lr", "1e-3", "--learning-rate", "3"], capsys)
     assert code == 2 and _one_line(err) == "edgc train: error: unrecognized arguments: --learning-rate 3"

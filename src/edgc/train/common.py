@@ -17,8 +17,8 @@ from edgc.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "load_plain_weights", "lr_at", "model_config",
-           "param_groups", "restore_rank", "tell_learning_rate", "window_signals"]
+__all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights", "lr_at",
+           "model_config", "param_groups", "restore_rank", "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -115,6 +115,16 @@ class DivergenceGuard:
                            "finite again)", step, why, kept)
         self.refused = why
         return False
+
+
+def compile_blocks(blocks: torch.nn.ModuleList) -> None:
+    """Compile each block in place (`nn.Module.compile`: torch.compile with its default
+    backend), before DDP or fully_shard wraps the model (TrainConfig.compile). Block by
+    block, as torchtitan compiles: one graph per block, reused by every block of the same
+    shape; the sync's hooks and collectives run between the blocks, outside the graphs;
+    the parameters keep their names (no `_orig_mod.` prefix in a checkpoint)."""
+    for block in blocks:
+        block.compile()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

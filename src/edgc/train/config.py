@@ -55,7 +55,7 @@ class TrainConfig:
     #: How `edgc train --help` groups the fields, each field in one group, in this order
     #: (the "edgc" and "dac" tables have groups of their own).
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype",
+        "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype", "compile",
                                     "emulated_device_ms"),
         "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "pp", "dp", "schedule", "microbatches",
                                         "sync_after_send", "activation_rank"),
@@ -101,6 +101,14 @@ class TrainConfig:
     dtype: str = "fp32"
     """Compute precision: "fp32", "bf16" (autocast) or "fp16" (autocast and a GradScaler).
     Parameters, gradients and optimiser state stay float32, as in torch's AMP recipe."""
+
+    compile: bool = False
+    """Compile each transformer block with torch.compile (its default backend, inductor)
+    before the model is made data-parallel, as torchtitan does: the first steps compile,
+    the later ones run the compiled code. The communication hook, DDP's reducer and FSDP's
+    collectives stay outside the compiled code, and the parameters keep their names, so a
+    checkpoint is the same with or without it (a resumed run may change it). The losses
+    match an eager run's up to float rounding: the compiler fuses and reorders."""
 
     emulated_device_ms: float = 0.0
     """For benchmarks on a CPU machine: every transformer block waits this many ms, idle,
@@ -345,6 +353,9 @@ class TrainConfig:
         if self.nproc is not None and self.dp is not None and self.pp * self.dp != self.nproc:
             bad("nproc", f"pp({self.pp}) * dp({self.dp}) != world({self.nproc}): the layout must use every "
                          f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
+        if self.compile and not self.hsdp and self.bucket_cap_mb < 1:
+            bad("bucket_cap_mb", "must be at least 1 with --compile: torch.compile splits a DDP model's graph at "
+                                 "its buckets and needs them no smaller than DDP's first (1 MB)")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
         if self.hsdp:

@@ -43,5 +43,10 @@ def emulate_device_time(blocks: torch.nn.ModuleList, ms: float) -> None:
     if ms <= 0:
         return
     seconds = ms / 1e3
+
+    @torch.compiler.disable  # (a compiled block, `edgc train --compile`: the wait stays outside its graph)
+    def wait(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return _DeviceTime.apply(out, seconds)
+
     for block in blocks:
-        block.register_forward_hook(lambda _module, _args, out: _DeviceTime.apply(out, seconds))
+        block.register_forward_hook(wait)

@@ -44,7 +44,14 @@ from edgc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from edgc.train.common import DivergenceGuard, lr_at, param_groups, restore_rank, tell_learning_rate
+from edgc.train.common import (
+    DivergenceGuard,
+    compile_blocks,
+    lr_at,
+    param_groups,
+    restore_rank,
+    tell_learning_rate,
+)
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.emulate import emulate_device_time
@@ -251,6 +258,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size)
     stage_mod = split_gpt(model, layout.pp, cfg.activation_rank, cfg.seed)[layout.stage].to(device)
     del model
+    if cfg.compile:
+        compile_blocks(stage_mod.h)
     emulate_device_time(stage_mod.h, cfg.emulated_device_ms)
     ddp = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
               device_ids=[device.index] if use_cuda else None)

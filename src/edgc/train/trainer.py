@@ -40,6 +40,7 @@ from edgc.train.checkpoint import (
 from edgc.train.common import (
     DivergenceGuard,
     TrainingDiverged,
+    compile_blocks,
     lr_at,
     model_config,
     param_groups,
@@ -115,10 +116,11 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 
 # options a resumed run may change (TrainConfig fields, and "edgc.FIELD" for an EDGCConfig
 # field); every other one must match its checkpoint's. edgc.min_unit_mb changes only how
-# the gradient is cut into units, so only the float order of the sums.
+# the gradient is cut into units, so only the float order of the sums; compile, device and
+# emulated_device_ms change how the same maths runs.
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
                      "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
-                     "emulated_device_ms", "edgc.min_unit_mb")
+                     "emulated_device_ms", "compile", "edgc.min_unit_mb")
 
 
 def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
@@ -431,6 +433,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.preset, vocab_size=meta["vocab_size"], block_size=cfg.block_size).to(device)
+    if cfg.compile:
+        compile_blocks(model.h)
     emulate_device_time(model.h, cfg.emulated_device_ms)
     run = data_parallel(cfg, model, device, world)
     hook_state = run.state
