@@ -672,7 +672,7 @@ def replicas_check(rank: int, world: int, out: str) -> dict:
 
 class WideNet(nn.Module):
     """About 1.4M parameters: several DDP buckets at torch.compile's smallest bucket size
-    (1 MiB, DDP's first bucket, which torch's DDPOptimizer requires as the least)."""
+    (1 MiB: torch's DDPOptimizer refuses a smaller bucket size)."""
 
     def __init__(self) -> None:
         super().__init__()

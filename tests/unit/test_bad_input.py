@@ -267,7 +267,7 @@ def test_compile_refuses_ddp_buckets_smaller_than_torch_compile_splits_at(workdi
     code, err = _run(["train", "--out", "new", "--compile", "--bucket-cap-mb", "0.5"], capsys)
     assert code == 2 and _one_line(err) == (
         "edgc train: error: bucket_cap_mb=0.5: must be at least 1 with --compile: torch.compile splits a DDP "
-        "model's graph at its buckets and needs them no smaller than DDP's first (1 MB)")
+        "model's graph at buckets of this size and refuses any smaller than 1 MB")
     assert not (workdir / "new").exists()
     TrainConfig(compile=True, bucket_cap_mb=1.0).validate()
     TrainConfig(compile=True, bucket_cap_mb=0.5, dp_shard=2, dp_replicate=1).validate()  # (HSDP: no DDP buckets)

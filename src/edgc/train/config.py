@@ -355,7 +355,7 @@ class TrainConfig:
                          f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
         if self.compile and not self.hsdp and self.bucket_cap_mb < 1:
             bad("bucket_cap_mb", "must be at least 1 with --compile: torch.compile splits a DDP model's graph at "
-                                 "its buckets and needs them no smaller than DDP's first (1 MB)")
+                                 "buckets of this size and refuses any smaller than 1 MB")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
         if self.hsdp:
