@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +19,20 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 120.0) ->
         return run_local(fn, world, *args, timeout=timeout, threads=1)
     except WorkerError as exc:
         raise AssertionError(f"{exc}\n{exc.details}") from None
+
+
+def train_args(data: str | Path, out: str | Path, *extra: str) -> list[str]:
+    """`edgc train` arguments of a small test run on `data` into `out` (4 sequences of 32
+    tokens, rank 4, a short evaluation, no progress bar), then `extra`."""
+    return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
+            "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
+
+
+def run_edgc(*args: str, cwd: str | Path, env: dict[str, str] | None = None,
+             timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """`python -m edgc ARGS` in `cwd`, as a user runs it; its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "edgc", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:

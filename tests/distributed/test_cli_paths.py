@@ -5,8 +5,6 @@ metrics a run writes."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +12,8 @@ from edgc.cli import main
 from edgc.data import data_tokenizer
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
+from harness import run_edgc as _edgc
+from harness import train_args as _train
 
 TEXT = """The quick brown fox jumps over the lazy dog. {i} Pack my box with five dozen liquor jugs.
 How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. {i}
@@ -28,11 +28,6 @@ def texts(tmp_path_factory):
         (root / ("notes" if i % 2 else ".") / f"doc{i}.txt").write_text(TEXT.format(i=i) * 40)
     (root / ".hidden.txt").write_text("not this")
     return root
-
-
-def _edgc(*args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "edgc", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-    return proc
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
@@ -69,11 +64,6 @@ def test_prepare_errors_are_clear(tmp_path, texts):
     assert proc.returncode == 2 and "at least two files" in proc.stderr
     proc = _edgc("prepare", str(texts), "--out", str(tmp_path / "d"), "--tokenizer", "nope.json", cwd=tmp_path)
     assert proc.returncode == 2 and "nope.json" in proc.stderr
-
-
-def _train(data, out, *extra):
-    return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
-            "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
 
 
 def _train_records(run):

@@ -5,8 +5,6 @@ and writes the same checkpoint keys as an eager run."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 import workers
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
-from harness import run_workers
+from harness import run_edgc, run_workers, train_args
 
 CONFIG = dict(policy="cqm", max_rank=8, min_rank=2, rank_step=2, window=4, warmup_steps=4,
               iteration_sample_rate=1.0, warmup="fixed", min_compression_rate=1.0)
@@ -39,10 +37,8 @@ def test_hook_compresses_a_compiled_model_as_an_eager_one(how):
 
 
 def _edgc(args, cwd, env):
-    proc = subprocess.run([sys.executable, "-m", "edgc", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = run_edgc(*args, cwd=cwd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 def _tensor_paths(obj, path=""):
@@ -64,17 +60,15 @@ def _records(run):
 def test_train_compile_through_the_cli_matches_eager_and_resumes_exactly(tmp_path, data_dir, layout):
     cache = tmp_path / "inductor"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    common = ["--data", str(data_dir), "--batch-size", "4", "--block-size", "32", "--eval-tokens", "256",
-              "--no-progress", "--rank", "4", "--method", "edgc", "--steps", "6", "--eval-every", "3",
-              "--checkpoint-every", "3", "--edgc-warmup-steps", "2", "--edgc-window", "2", "--device", "cpu",
-              *layout]
+    common = ["--method", "edgc", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",
+              "--edgc-warmup-steps", "2", "--edgc-window", "2", "--device", "cpu", *layout]
     eager, straight, part = tmp_path / "eager", tmp_path / "straight", tmp_path / "part"
-    _edgc(["train", "--out", str(eager), *common], tmp_path, env)
+    _edgc(train_args(data_dir, eager, *common), tmp_path, env)
     assert not any(cache.rglob("*.py"))  # (nothing compiles without --compile)
-    _edgc(["train", "--out", str(straight), *common, "--compile"], tmp_path, env)
+    _edgc(train_args(data_dir, straight, *common, "--compile"), tmp_path, env)
     assert json.loads((straight / "config.json").read_text())["compile"] is True
     assert any(cache.rglob("*.py")), "inductor wrote no code: nothing was compiled"
-    _edgc(["train", "--out", str(part), *common, "--compile", "--stop-after", "3"], tmp_path, env)
+    _edgc(train_args(data_dir, part, *common, "--compile", "--stop-after", "3"), tmp_path, env)
     _edgc(["train", "--resume", str(part), "--stop-after", "6", "--no-progress"], tmp_path, env)
     a, b, e = _records(straight), _records(part), _records(eager)
     assert a == b  # a compiled run resumed equals one straight through, bit for bit

@@ -18,20 +18,12 @@ from edgc.cli import main
 from edgc.train.checkpoint import CHECKPOINT_NAME, kept_checkpoints, load_checkpoint
 from edgc.train.metrics import read_metrics
 from edgc.train.runfolder import LOCK_NAME
+from harness import run_edgc as _edgc
+from harness import train_args as _args
 
 #: The run the restart tests interrupt, and train straight through to compare against.
 RESTARTED_RUN = ["--steps", "24", "--checkpoint-every", "6", "--eval-every", "12", "--method", "powersgd",
                  "--edgc-warmup-steps", "3"]
-
-
-def _args(data, out, *extra):
-    return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--block-size", "32",
-            "--eval-tokens", "256", "--no-progress", "--rank", "4", *extra]
-
-
-def _edgc(*args, cwd, timeout=300):
-    return subprocess.run([sys.executable, "-m", "edgc", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _start(*args, cwd):
