@@ -33,8 +33,8 @@ from edgc.policy.registry import REMOVED, policy_class, policy_names
 from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
-__all__ = ["MAX_RANK", "SECTIONS", "SEED_LIMIT", "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig",
-           "pipeline_refusal", "upgrade_config_v1"]
+__all__ = ["ADDED_FIELDS", "MAX_RANK", "SECTIONS", "SEED_LIMIT", "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS",
+           "EDGCConfig", "pipeline_refusal", "upgrade_config_v1", "with_added_fields"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
@@ -98,6 +98,15 @@ class EDGCConfig:
 
     rank_multiple: int = 2
     """Ranks are rounded to a multiple of this (release: even ranks). In [1, MAX_RANK]."""
+
+    long_rank_factor: float = 2.0
+    """A long matrix, whose longer side is at least 8 times its shorter (in a GPT-2: the
+    token embedding, vocabulary x width, shared with the output layer), compresses at this
+    times the policy's rank, rounded down to rank_multiple; every other matrix at the
+    policy's rank; each capped by its matrix (edgc.compress.matrix_rank). At rank r a long
+    matrix sends r / min(m, n) of its numbers, half the share a square matrix of its width
+    sends, and it is where low rank costs the loss most (docs/config.md). 1: one rank for
+    every matrix, as PowerSGD. A finite number in (0, 16]."""
 
     window: int = 1000
     """w: iterations per window; the rank is revisited once per window (paper: 1000)."""
@@ -292,6 +301,8 @@ class EDGCConfig:
                                      'the relative error)')
         if self.min_compression_rate < 0:
             bad("min_compression_rate", "must be a non-negative number")
+        if not 0 < self.long_rank_factor <= 16:
+            bad("long_rank_factor", "must be a number in (0, 16] (1: one rank for every matrix)")
         if self.min_unit_mb < 0:
             bad("min_unit_mb", "must be a non-negative number (MB)")
         if self.alternate and not self.warm_start:
@@ -351,12 +362,24 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
     return {**out, **tables}
 
 
+#: Fields EDGCConfig gained after its saved form (a state's "config", a run's config.json)
+#: was first written, each with the value a config saved before it ran with: there a
+#: missing key means that value, not today's default (`with_added_fields`).
+ADDED_FIELDS: dict[str, Any] = {"long_rank_factor": 1.0}
+
+
+def with_added_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """A saved EDGCConfig mapping (nested or flat) with each field it predates
+    (ADDED_FIELDS) set to the value it ran with."""
+    return {**ADDED_FIELDS, **values}
+
+
 #: What a config saved by edgc 0.1 ran with where it lacks a key: fields added during
 #: 0.1 had no effect before they existed ("whole-step" was the only sync mode, and the
 #: warm-up was fixed).
 _V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False,
                                 "wire": "native", "state_dtype": "native", "alternate": False,
-                                "noise_exponent": 0.5}
+                                "noise_exponent": 0.5, **ADDED_FIELDS}
 #: edgc 0.1's flat names whose 0.2 name differs (the rest keep theirs: noise_exponent, ...).
 _V1_RENAMED = {"lr_drop_factor": "critical_lr_drop_factor", "entropy_smoothing": "cqm_smoothing",
                "rank_schedule": "schedule_ranks"}

@@ -8,7 +8,9 @@ checkpoint and resume.
 
 Groups. Once compression starts, the compressible matrices are grouped by shape and
 dtype (edgc.comm.units.Group), each group with its warm-start Q, replica-identical, and
-its error feedback, this replica's own. Both are held in the working dtype (float32 for
+its error feedback, this replica's own. A group's rank is the policy's, or for long
+matrices (the token embedding) EDGCConfig.long_rank_factor times it (`group_rank`). Both
+Q and the error feedback are held in the working dtype (float32 for
 half-precision gradients), or in bf16 with EDGCConfig.state_dtype "bf16" (the step still
 works in the working dtype, and rounds the new values as it keeps them). The error
 feedback has two buffers, swapped at each commit, and the step's large temporaries live in
@@ -33,7 +35,7 @@ import torch
 
 from edgc.comm.units import Group, UnitPlan, unit_plan, working_dtype
 from edgc.comm.workspace import Workspace
-from edgc.compress import compressible, draw_q, resize_q
+from edgc.compress import compressible, draw_q, matrix_rank, resize_q
 from edgc.entropy import sample_offsets
 
 __all__ = ["CompressionState", "Entry"]
@@ -47,10 +49,15 @@ Entry = tuple[Hashable, tuple[int, ...]]
 class CompressionState:
     """Slots, groups (Q and error feedback), the generator and the plan of units."""
 
-    def __init__(self, seed: int, state_dtype: str = "native") -> None:
-        """`state_dtype`: EDGCConfig.state_dtype, the dtype Q and the error feedback are kept in."""
+    def __init__(self, seed: int, state_dtype: str = "native", long_rank_factor: float = 1.0,
+                 rank_multiple: int = 1) -> None:
+        """`state_dtype`: EDGCConfig.state_dtype, the dtype Q and the error feedback are kept in;
+        `long_rank_factor` and `rank_multiple`: EDGCConfig's, which set each group's rank
+        from the policy's (edgc.compress.matrix_rank)."""
         self.generator = torch.Generator().manual_seed(seed)
         self.state_dtype = state_dtype
+        self.long_rank_factor = long_rank_factor
+        self.rank_multiple = rank_multiple
         self.groups: dict[tuple[int, int, str], Group] = {}  # by (m, n, dtype)
         self.uncompressed_slots: list[int] = []
         self.slot_shapes: list[tuple[int, ...]] = []
@@ -188,7 +195,7 @@ class CompressionState:
         for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
             slots = members[(m, n, dtype)]
             kept = self.kept_dtype(dtype)
-            q = draw_q(len(slots), n, min(rank, m, n), self.generator, dtype=kept, device=device)
+            q = draw_q(len(slots), n, self.group_rank((m, n), rank), self.generator, dtype=kept, device=device)
             error = torch.zeros((len(slots), m, n), dtype=kept, device=device) if error_feedback else None
             group = Group((m, n), slots, q, error, dtype)
             self.groups[group.key] = group
@@ -217,12 +224,19 @@ class CompressionState:
         self.pending_groups = None
         self._unit_plans = {}
 
+    def group_rank(self, shape: tuple[int, int], rank: int) -> int:
+        """The rank a group of (m, n) matrices compresses at under the policy's `rank`: a long
+        matrix's is long_rank_factor times it; each capped by the matrix (edgc.compress.matrix_rank)."""
+        return matrix_rank(shape, rank, self.long_rank_factor, self.rank_multiple)
+
     def set_rank(self, rank: int) -> None:
-        """Resize every group's Q to `rank` (capped by the matrix), keeping the warm start."""
+        """Resize every group's Q to its rank under the policy's `rank` (`group_rank`),
+        keeping the warm start."""
         for g in self.groups.values():
-            g.q = resize_q(g.q, min(rank, *g.shape), self.generator)
+            r = self.group_rank(g.shape, rank)
+            g.q = resize_q(g.q, r, self.generator)
             if g.p is not None:  # (alternating: the kept P alike; new columns random)
-                g.p = resize_q(g.p, min(rank, *g.shape), self.generator)
+                g.p = resize_q(g.p, r, self.generator)
 
     def redraw_q(self) -> None:
         """A fresh random Q for every group (EDGCConfig.warm_start off)."""

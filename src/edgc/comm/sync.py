@@ -70,7 +70,7 @@ from edgc.comm.stats import EDGCStats
 from edgc.comm.step import StepInfo, StepResult, StepSync
 from edgc.comm.timing import LapSum, start_lap
 from edgc.comm.windowgrad import WindowGradient
-from edgc.config import EDGCConfig, pipeline_refusal
+from edgc.config import EDGCConfig, pipeline_refusal, with_added_fields
 from edgc.entropy import is_sampled_step, sample_stride
 from edgc.policy import EntropyWindow, WarmupGate, WindowEnd, make_policy
 from edgc.policy.noise import noise_scale
@@ -110,7 +110,8 @@ class GradientSync:
         self.alignment = alignment  # a pipeline stage's DAC, or None outside a pipeline
         # the parts, each owning one role
         self.collectives = Collectives(process_group, control_group)
-        self.compression = CompressionState(config.seed, config.state_dtype)
+        self.compression = CompressionState(config.seed, config.state_dtype, config.long_rank_factor,
+                                            config.rank_multiple)
         self.policy = make_policy(config)
         self.gate = WarmupGate(config.warmup, config.warmup_steps, config.window, config.warmup_max_error,
                                sample_stride(config.iteration_sample_rate), config.warmup_min_steps)
@@ -280,7 +281,7 @@ class GradientSync:
                              f"{self.config.policy!r}: a policy's state does not carry over to another")
         self.collectives.expect(int(d["world_size"]), None if d["replica"] is None else int(d["replica"]),
                                 strict_replica)
-        saved, now = EDGCConfig.from_dict(d["config"]).to_flat(), self.config.to_flat()
+        saved, now = EDGCConfig.from_dict(with_added_fields(d["config"])).to_flat(), self.config.to_flat()
         if saved != now:
             logger.warning("EDGC config differs from the checkpoint's in %s; using the new values",
                            sorted(k for k in now if saved.get(k) != now[k]))

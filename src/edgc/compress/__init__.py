@@ -1,12 +1,14 @@
 """Pure tensor maths of low-rank (PowerSGD) compression; no torch.distributed here."""
 
 from edgc.compress.lowrank import (
+    LONG_ASPECT,
     compressible,
     draw_q,
     error_feedback_,
     lowrank_error_sums,
     lowrank_errors_from_sums,
     lowrank_l1_error,
+    matrix_rank,
     orthogonalize_,
     project_p,
     project_q,
@@ -16,12 +18,14 @@ from edgc.compress.lowrank import (
 )
 
 __all__ = [
+    "LONG_ASPECT",
     "compressible",
     "draw_q",
     "error_feedback_",
     "lowrank_error_sums",
     "lowrank_errors_from_sums",
     "lowrank_l1_error",
+    "matrix_rank",
     "orthogonalize_",
     "project_p",
     "project_q",

@@ -112,6 +112,27 @@ def resize_q(q: torch.Tensor, rank: int, generator: torch.Generator) -> torch.Te
     return torch.cat([q, extra], dim=-1)
 
 
+#: A matrix whose longer side is at least this many times its shorter one is "long" (in a
+#: GPT-2: the token embedding, vocabulary x width) and compresses at EDGCConfig.long_rank_factor
+#: times the rank of the others (`matrix_rank`).
+LONG_ASPECT = 8
+
+
+def matrix_rank(shape: tuple[int, int], rank: int, long_factor: float, multiple: int) -> int:
+    """The rank an (m, n) matrix compresses at when the policy's rank is `rank`.
+
+    A long matrix (longer side >= LONG_ASPECT x the shorter) takes `long_factor` x `rank`,
+    rounded down to a multiple of `multiple` (at least 1); every other matrix takes `rank`.
+    Both are capped by the matrix's shorter side. Why: at rank r an (m, n) matrix sends
+    r (m + n) numbers for its m n, so a long matrix sends r / min(m, n) of itself, half the
+    share a square one of the same width sends; twice the rank sends the same share.
+    """
+    m, n = shape
+    if long_factor != 1 and max(m, n) >= LONG_ASPECT * min(m, n):
+        rank = max(1, int(rank * long_factor) // multiple * multiple)
+    return min(rank, m, n)
+
+
 def _as_matrix(t: torch.Tensor) -> torch.Tensor:
     """t viewed as (shape[0], prod(shape[1:])), in float32 or better (for the SVD)."""
     a = t.reshape(t.shape[0], -1)

@@ -97,7 +97,7 @@ def next_noise_rank(noise: float, replicas: int, current: int, *, r_min: int, r_
 class NoiseConfig:
     """The "noise" policy's parameters (EDGCConfig.noise)."""
 
-    exponent: float = 0.14
+    exponent: float = 0.5
     """gamma in r = r_max * min(1, (n / B)^gamma), B the window's gradient noise scale in
     replica batches and n the replicas. In (0, 4]; a larger one drops the rank faster as
     the noise grows."""

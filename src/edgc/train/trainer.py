@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.replicas import blobs_as_tensors, gather_replicas
-from edgc.config import SECTIONS, EDGCConfig, upgrade_config_v1
+from edgc.config import SECTIONS, EDGCConfig, upgrade_config_v1, with_added_fields
 from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
@@ -154,7 +154,7 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
     if values["edgc"]:  # (compared flat, as the command line gives them; a run of edgc 0.1 upgraded)
-        edgc = values["edgc"] if "warmup" in values["edgc"] else upgrade_config_v1(values["edgc"])
+        edgc = with_added_fields(values["edgc"]) if "warmup" in values["edgc"] else upgrade_config_v1(values["edgc"])
         values["edgc"] = EDGCConfig.from_dict(edgc).to_flat()
     if "edgc" in given:
         given = {**given, "edgc": _flat_sections(given["edgc"])}
