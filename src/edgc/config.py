@@ -100,7 +100,7 @@ class EDGCConfig:
     """Ranks are rounded to a multiple of this (release: even ranks). In [1, MAX_RANK]."""
 
     long_rank_factor: float = 2.0
-    """A long matrix, whose longer side is at least 8 times its shorter (in a GPT-2: the
+    """A long matrix, whose longer side is at least 5 times its shorter (in a GPT-2: the
     token embedding, vocabulary x width, shared with the output layer), compresses at this
     times the policy's rank, rounded down to rank_multiple; every other matrix at the
     policy's rank; each capped by its matrix (edgc.compress.matrix_rank). At rank r a long

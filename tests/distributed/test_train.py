@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from edgc.cli import main
+from edgc.data import prepare_builtin, write_meta
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
 
@@ -151,3 +152,26 @@ def test_quantized_and_alternating_modes_train_and_resume_exactly(tmp_path, data
     sent = [sum(r["bytes_sent"] for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train" and r["rank"])
             for d in (straight, full)]
     assert sent[0] < 0.7 * sent[1]
+
+
+def test_the_token_embedding_compresses_at_twice_the_rank_of_the_rest(tmp_path):
+    # a 1024-token vocabulary: the token embedding (1024 x 128) is 8 times as long as wide
+    # (5 or more is long; with the 512 tokens of the other tests' corpus it is 4).
+    # Static rank 4 with float32 factors, so that the bytes are exact: the embedding at rank
+    # 8 by default, at 4 with --edgc-long-rank-factor 1
+    data_dir = tmp_path / "data"
+    prepared = prepare_builtin(data_dir, tokenizer="bpe", max_bytes=200_000, vocab_size=1024)
+    write_meta(data_dir, prepared.tokenizer, 1024, prepared.train_tokens, prepared.val_tokens, source="test")
+    common = ["--method", "edgc", "--steps", "5", "--eval-every", "5", "--edgc-policy", "static",
+              "--edgc-warmup", "fixed", "--edgc-warmup-steps", "2", "--edgc-wire", "native"]
+    runs = {factor: tmp_path / f"factor-{factor}" for factor in ("1", "default")}
+    assert main(_args(data_dir, runs["1"], *common, "--edgc-long-rank-factor", "1")) == 0
+    assert main(_args(data_dir, runs["default"], *common)) == 0
+    checkpoint = torch.load(runs["default"] / CHECKPOINT_NAME, weights_only=False)
+    vocab, width = checkpoint["model"]["wte.weight"].shape
+    assert vocab == 8 * width and checkpoint["train"]["edgc"]["long_rank_factor"] == 2.0
+    sent = {f: [r["bytes_sent"] for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train" and r["rank"]]
+            for f, d in runs.items()}
+    assert len(sent["1"]) == len(sent["default"]) == 3  # (steps 3 to 5 compress)
+    # each compressed step sends 4 more columns of P (vocab) and Q (width), 4 bytes a number
+    assert [b - a for a, b in zip(sent["1"], sent["default"], strict=True)] == [(vocab + width) * 4 * 4] * 3

@@ -120,14 +120,16 @@ def test_config_errors_name_the_field(values, field):
 
 def test_config_defaults():
     cfg = EDGCConfig(max_rank=32)
-    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.14, "gradient", 0.1)
+    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.5, "gradient", 0.1)
+    assert cfg.long_rank_factor == 2.0
     assert EDGCConfig(warmup_max_error=1.0).warmup_max_error == 1.0
 
 
 def test_the_default_is_noise_with_the_warmup_the_gradient_ends():
     assert (TrainConfig().edgc_config().policy, TrainConfig().edgc_config().warmup) == ("noise", "gradient")
     static = TrainConfig(method="powersgd").edgc_config()
-    assert (static.policy, static.warmup) == ("static", "gradient")
+    assert (static.policy, static.warmup, static.long_rank_factor) == ("static", "gradient", 1.0)
+    assert TrainConfig(method="powersgd", edgc={"long_rank_factor": 3.0}).edgc_config().long_rank_factor == 3.0
     # the release's absolute error is read by the release's check only, and says so
     with pytest.raises(ValueError, match=r'EDGCConfig.warmup_error_norm=\'l1\': is read by warmup="release-check"'):
         EDGCConfig(warmup_error_norm="l1")
@@ -146,8 +148,8 @@ def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warm
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup == "gradient"
     # a section's option given on resume is compared in the flat form the command line uses
-    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.14}}})
-    assert resumed.edgc_config().noise.exponent == 0.14
+    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.5}}})
+    assert resumed.edgc_config().noise.exponent == 0.5
     with pytest.raises(ValueError, match="--edgc-noise-exponent 0.25"):
         resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise_exponent": 0.25}})
 
@@ -180,3 +182,14 @@ def test_a_pipeline_keeps_the_fixed_warmup_and_refuses_the_gradient_ended_one(tm
     with pytest.raises(ValueError, match="policy='schedule': does not take the DAC's stage alignment"):
         EDGCState(None, EDGCConfig(max_rank=4, policy="schedule", schedule={"ranks": "0:4"}, warmup="fixed"),
                   alignment=StageAlignment(0, 2, None))
+
+
+def test_a_run_saved_before_the_long_rank_factor_resumes_at_one_rank(tmp_path):
+    saved = TrainConfig(out=str(tmp_path), steps=1000).resolve().to_dict()
+    assert saved["edgc"]["long_rank_factor"] == 2.0
+    del saved["edgc"]["long_rank_factor"]  # (as runs were saved before the field)
+    save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": saved})
+    assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().long_rank_factor == 1.0
+    # and one given on resume is refused, as any option that shapes the compression
+    with pytest.raises(ValueError, match="--edgc-long-rank-factor 2.0"):
+        resume_config(tmp_path / "checkpoint.pt", {"edgc": {"long_rank_factor": 2.0}})

@@ -14,15 +14,15 @@ B / n is the ratio of the noise's energy in it to the signal's (E|G_avg|^2 = |G|
 the rank stays at r_max. Beyond, an error of the compressed step weighs less against
 the noise each step already carries, and the rank falls as
 
-    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.14 by default),
+    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.5 by default),
 
 clipped to [r_min, r_max], rounded to `rank_multiple` and moved at most `rank_step` per
 window (edgc.policy.window.limit_rank), so that a noisy window moves it little. gamma is
-a choice, not a law: 0.5 scales the rank with the noise's standard deviation; 0.14 is
-what measured best with int8 factors, which make rank cheap, and a warm-up as long as the
-learning rate's: the smallest gamma tried that kept the default within a quarter of static
-rank 32's bytes (docs/policies.md). Where the noise scale is unknown (one replica, a
-non-finite window) the rank stays where it is.
+a choice, not a law: 0.5 scales the rank with the noise's standard deviation. With the
+token embedding at twice the rank (EDGCConfig.long_rank_factor) it measured best: the
+other matrices can fall that far while the embedding, where low rank costs the loss
+most, keeps its rank (docs/policies.md). Where the noise scale is unknown (one replica,
+a non-finite window) the rank stays where it is.
 
 Pure python: nothing here calls torch.distributed.
 """
