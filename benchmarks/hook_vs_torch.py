@@ -106,7 +106,8 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict
         counter["sync"] = True  # wait per bucket: keeps gloo's collective order fixed
         ddp.register_comm_hook(state, _timed(torch_psgd.powerSGD_hook, counter))
     elif method == "edgc-static":
-        config = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=1, wire=args.wire)
+        # (one rank for every matrix, as torch's hook has it)
+        config = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=1, wire=args.wire, long_rank_factor=1.0)
         ddp.register_comm_hook(EDGCState(None, config), _timed(edgc_hook, counter))
     originals = _count_collectives(counter)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

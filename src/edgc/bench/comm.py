@@ -99,7 +99,7 @@ def _make(name: str, k: int | None, args: argparse.Namespace):
     mode = "whole-step" if name.endswith(_WHOLE) else "pipelined"
     if name.startswith("powersgd"):
         cfg = EDGCConfig(policy="static", max_rank=args.rank, warmup_steps=0, sync_mode=mode,
-                         min_unit_mb=args.min_unit_mb)
+                         min_unit_mb=args.min_unit_mb, long_rank_factor=1.0)  # (PowerSGD: one rank)
     else:
         cfg = EDGCConfig(policy="cqm", max_rank=k, min_rank=k, warmup_steps=0, window=1000,
                          iteration_sample_rate=args.alpha, sync_mode=mode, min_unit_mb=args.min_unit_mb)
