@@ -184,8 +184,8 @@ examples:
   edgc bench train --methods edgc,edgc-uniform -- --pp 2 --dp 2     DAC against uniform stage ranks
                                                                     (after --: edgc train options)
   edgc bench train --nproc 2 --cores-per-worker 1 --emulated-device-ms 20 --sync-share 0.43 \\
-      --methods none,edgc-static,edgc --target-loss-of edgc-static
-                                                                    time to static's loss, sync 43% of a step"""
+      --methods none,edgc-static,edgc --target-loss-of edgc-static \\
+      --method-args "edgc-static=--edgc-long-rank-factor 1"          time to PowerSGD's loss, sync 43% of a step"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -74,8 +74,7 @@ class TrainConfig:
         "window": "steps // 15, at least 5", "iteration_sample_rate": "5 / window, in [0.1, 1]",
         "warmup_steps": "steps // 10, at least 1", "seed": "--seed",
         "warmup_min_steps": "the learning rate's warm-up (--lr-warmup-steps), at most warmup_steps",
-        "long_rank_factor": f"1 with --method powersgd, else {EDGCConfig().long_rank_factor}",
-    }
+        "long_rank_factor": f"1 with --method powersgd, else {EDGCConfig().long_rank_factor}"}
     #: Placeholders for values that are not plain text (the CLI's help shows them).
     METAVARS: ClassVar[dict[str, str]] = {"data": "DIR", "data_cache": "DIR", "out": "DIR", "lr_drop_steps": "STEP,..."}
 
@@ -493,8 +492,7 @@ class TrainConfig:
         window = self.edgc.get("window", max(5, self.steps // 15))
         values: dict[str, Any] = {
             "policy": "static" if self.method == "powersgd" else EDGCConfig().policy,
-            # PowerSGD compresses every matrix at one rank
-            **({"long_rank_factor": 1.0} if self.method == "powersgd" else {}),
+            **({"long_rank_factor": 1.0} if self.method == "powersgd" else {}),  # (PowerSGD: one rank)
             "max_rank": self.rank,
             "window": window,
             # (an invalid window is left for EDGCConfig to reject by name)
