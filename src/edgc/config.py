@@ -105,7 +105,7 @@ class EDGCConfig:
     times the policy's rank, rounded down to rank_multiple; every other matrix at the
     policy's rank; each capped by its matrix (edgc.compress.matrix_rank). At rank r a long
     matrix sends r / min(m, n) of its numbers, half the share a square matrix of its width
-    sends, and it is where low rank costs the loss most (docs/config.md). 1: one rank for
+    sends, and it is where low rank costs the loss most (docs/method.md). 1: one rank for
     every matrix, as PowerSGD. A finite number in (0, 16]."""
 
     window: int = 1000
