@@ -32,11 +32,11 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, width: int = 24) -> None:
+    def __init__(self, width: int = 24, vocab: int = VOCAB) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, width)
+        self.emb = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList([Block(width), Block(width)])
-        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
         self.skip_head = False  # (a step in which a parameter gets no gradient)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -53,11 +53,11 @@ def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def build(mode: str, layout: tuple[int, int], config: dict | None, dtype: str | None = None,
-          mesh_names: tuple[str, str] = ("replicate", "shard")) -> tuple[nn.Module, Any, Any]:
+          mesh_names: tuple[str, str] = ("replicate", "shard"), vocab: int = VOCAB) -> tuple[nn.Module, Any, Any]:
     """The model sharded as `mode` says: "native" on the whole 2-D mesh (native HSDP),
     "edgc" on the shard mesh with register_edgc(config); returns (model, state, mesh)."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(vocab=vocab)
     mesh = init_device_mesh("cpu", layout, mesh_dim_names=mesh_names)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=getattr(torch, dtype)) if dtype else \
         MixedPrecisionPolicy()
@@ -78,12 +78,13 @@ def train(rank: int, world: int, mode: str, config: dict | None, steps: int,
     """Train `steps` steps; `options`: "accum" micro-batches a step (synced on the last one
     as with native HSDP: set_requires_all_reduce), "dtype" of MixedPrecisionPolicy,
     "stop_at" a step to save a checkpoint at (model, optimiser, EDGC state; returned),
-    "resume" one such checkpoint per rank to start from, "layout" (replicate, shard).
+    "resume" one such checkpoint per rank to start from, "layout" (replicate, shard),
+    "vocab" the embedding's and head's rows (the batches' tokens stay below VOCAB).
     Returns the full parameters, the losses, the ranks and the stats."""
     options = options or {}
     accum, dtype, stop_at = options.get("accum", 1), options.get("dtype"), options.get("stop_at")
     resume, layout = options.get("resume"), options.get("layout", (2, 2))
-    model, state, mesh = build(mode, layout, config, dtype)
+    model, state, mesh = build(mode, layout, config, dtype, vocab=options.get("vocab", VOCAB))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = 0
     if resume is not None:
@@ -103,7 +104,7 @@ def train(rank: int, world: int, mode: str, config: dict | None, steps: int,
             model.set_requires_all_reduce(last)
             idx, target = batch(step, micro, rank)
             logits = model(idx)
-            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1)) / accum
+            loss = F.cross_entropy(logits.float().flatten(0, 1), target.reshape(-1)) / accum
             loss.backward()
         opt.step()
         opt.zero_grad()

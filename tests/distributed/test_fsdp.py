@@ -90,6 +90,29 @@ def test_state_round_trips_through_distributed_checkpoint(tmp_path):
     assert not torch.equal(errors[0], errors[1])
 
 
+def _group_ranks(out):
+    """Each rank's groups as {shape: rank}, the shapes being the local shards' matrices."""
+    return [{tuple(g["shape"]): g["q"].shape[-1] for g in r["state"]["compression"]["groups"]} for r in out]
+
+
+def test_a_long_shard_compresses_at_twice_the_rank_of_the_rest():
+    # a 257-token vocabulary: the embedding's and head's shards are 129 x 24 (5.4:1), long;
+    # the blocks' (19 x 24, 12 x 37 and their row shards) are not. Rank 4, then 2 from step 7
+    config = dict(BASE, policy="schedule", schedule={"ranks": "0:4,7:2"}, rank_multiple=1)
+    for steps, rank in ((6, 4), (10, 2)):
+        out = run_workers(fsdp_workers.train, 4, "edgc", config, steps, {"vocab": 257}, timeout=300)
+        _check_compressed_run(out, steps)
+        for groups in _group_ranks(out):
+            assert {r for shape, r in groups.items() if max(shape) >= 5 * min(shape)} == {2 * rank}, groups
+            assert {r for shape, r in groups.items() if max(shape) < 5 * min(shape)} == {rank}, groups
+            assert (129, 24) in groups or (24, 129) in groups, groups
+    flat = run_workers(fsdp_workers.train, 4, "edgc", dict(config, long_rank_factor=1.0), 10, {"vocab": 257},
+                       timeout=300)
+    assert all(set(groups.values()) == {2} for groups in _group_ranks(flat))
+    for a, b in zip(out, flat, strict=True):  # (the long shards' extra columns)
+        assert a["stats"].bytes_sent > b["stats"].bytes_sent
+
+
 @pytest.mark.parametrize("case,message", [
     ("native", "native HSDP"),
     ("mesh-names", "dimensions named 'replicate' and 'shard'"),
