@@ -120,7 +120,7 @@ def test_config_errors_name_the_field(values, field):
 
 def test_config_defaults():
     cfg = EDGCConfig(max_rank=32)
-    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.5, "gradient", 0.1)
+    assert (cfg.policy, cfg.noise.exponent, cfg.warmup, cfg.warmup_max_error) == ("noise", 0.35, "gradient", 0.1)
     assert cfg.long_rank_factor == 2.0
     assert EDGCConfig(warmup_max_error=1.0).warmup_max_error == 1.0
 
@@ -148,8 +148,8 @@ def test_a_run_from_before_the_gradient_ended_warmup_resumes_with_its_fixed_warm
     save_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "train": new})
     assert resume_config(tmp_path / "checkpoint.pt", {}).edgc_config().warmup == "gradient"
     # a section's option given on resume is compared in the flat form the command line uses
-    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.5}}})
-    assert resumed.edgc_config().noise.exponent == 0.5
+    resumed = resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise": {"exponent": 0.35}}})
+    assert resumed.edgc_config().noise.exponent == 0.35
     with pytest.raises(ValueError, match="--edgc-noise-exponent 0.25"):
         resume_config(tmp_path / "checkpoint.pt", {"edgc": {"noise_exponent": 0.25}})
 

@@ -14,15 +14,16 @@ B / n is the ratio of the noise's energy in it to the signal's (E|G_avg|^2 = |G|
 the rank stays at r_max. Beyond, an error of the compressed step weighs less against
 the noise each step already carries, and the rank falls as
 
-    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.5 by default),
+    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.35 by default),
 
 clipped to [r_min, r_max], rounded to `rank_multiple` and moved at most `rank_step` per
 window (edgc.policy.window.limit_rank), so that a noisy window moves it little. gamma is
-a choice, not a law: 0.5 scales the rank with the noise's standard deviation. With the
-token embedding at twice the rank (EDGCConfig.long_rank_factor) it measured best: the
-other matrices can fall that far while the embedding, where low rank costs the loss
-most, keeps its rank (docs/policies.md). Where the noise scale is unknown (one replica,
-a non-finite window) the rank stays where it is.
+a choice, not a law: 0.5 would scale the rank with the noise's standard deviation. With
+the token embedding at twice the rank (EDGCConfig.long_rank_factor) 0.35 measured best
+over two widths: the other matrices can fall most of that way on a 128-wide model, less
+on a 384-wide one, while the embedding, where low rank costs the loss most, keeps its
+rank (docs/policies.md). Where the noise scale is unknown (one replica, a non-finite
+window) the rank stays where it is.
 
 Pure python: nothing here calls torch.distributed.
 """
@@ -97,7 +98,7 @@ def next_noise_rank(noise: float, replicas: int, current: int, *, r_min: int, r_
 class NoiseConfig:
     """The "noise" policy's parameters (EDGCConfig.noise)."""
 
-    exponent: float = 0.5
+    exponent: float = 0.35
     """gamma in r = r_max * min(1, (n / B)^gamma), B the window's gradient noise scale in
     replica batches and n the replicas. In (0, 4]; a larger one drops the rank faster as
     the noise grows."""
