@@ -19,10 +19,10 @@ the noise each step already carries, and the rank falls as
 clipped to [r_min, r_max], rounded to `rank_multiple` and moved at most `rank_step` per
 window (edgc.policy.window.limit_rank), so that a noisy window moves it little. gamma is
 a choice, not a law: 0.5 would scale the rank with the noise's standard deviation. With
-the token embedding at twice the rank (EDGCConfig.long_rank_factor) 0.35 measured best
-over two widths: the other matrices can fall most of that way on a 128-wide model, less
-on a 384-wide one, while the embedding, where low rank costs the loss most, keeps its
-rank (docs/policies.md). Where the noise scale is unknown (one replica, a non-finite
+the token embedding at twice the rank (EDGCConfig.long_rank_factor) 0.35 kept the loss
+of static rank 32 at both widths measured (128 and 384) where 0.5 did at 128 only: the
+other matrices' rank falls while the embedding, where low rank costs the loss most,
+keeps twice theirs (docs/policies.md). Where the noise scale is unknown (one replica, a non-finite
 window) the rank stays where it is.
 
 Pure python: nothing here calls torch.distributed.
