@@ -22,8 +22,8 @@ a choice, not a law: 0.5 would scale the rank with the noise's standard deviatio
 the token embedding at twice the rank (EDGCConfig.long_rank_factor) 0.35 kept the loss
 of static rank 32 at both widths measured (128 and 384) where 0.5 did at 128 only: the
 other matrices' rank falls while the embedding, where low rank costs the loss most,
-keeps twice theirs (docs/policies.md). Where the noise scale is unknown (one replica, a non-finite
-window) the rank stays where it is.
+keeps twice theirs (docs/policies.md). Where the noise scale is unknown (one replica, a
+non-finite window) the rank stays where it is.
 
 Pure python: nothing here calls torch.distributed.
 """
