@@ -31,6 +31,7 @@ import torch
 
 from edgc.atomic import atomic_write
 from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas
+from edgc.safeload import UnsafeFileError, load_torch
 
 __all__ = ["FILE_NAME", "gather_states", "is_torch_archive", "load_states", "read_states", "restore_state",
            "save_states", "verify_checksums"]
@@ -83,9 +84,14 @@ def save_states(state: Any, folder: str | Path, *, step: int | None = None) -> P
     return path
 
 
-def read_states(folder: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+def read_states(folder: str | Path, *, mmap: bool = False, trust: bool = False) -> dict[str, Any]:
     """The contents of `folder`/edgc_state.pt (or of the file `folder`): {"world_size",
     "step", "replicas"}; raises FileNotFoundError or ValueError saying what is wrong.
+
+    Only tensors and plain values are loaded: a file that names other Python objects (code
+    that loading would run) raises edgc.safeload.UnsafeFileError, a ValueError naming the
+    file and the object. trust=True loads it anyway, running that code: only for a file
+    one trusts.
 
     mmap=True maps the tensors from the file instead of reading them, so that a replica
     that reads every replica's states holds only the pages of the entry it uses. Copy
@@ -103,7 +109,10 @@ def read_states(folder: str | Path, *, mmap: bool = False) -> dict[str, Any]:
         raise ValueError(not_ours)
     verify_checksums(path)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        data = load_torch(path, what="EDGC state", how="read_states(..., trust=True) or load_states(..., trust=True)",
+                          trust=trust, mmap=mmap)
+    except UnsafeFileError:
+        raise
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
         raise ValueError(f"EDGC state {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
@@ -113,12 +122,13 @@ def read_states(folder: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     return data
 
 
-def load_states(state: Any, folder: str | Path, *, step: int | None = None) -> None:
+def load_states(state: Any, folder: str | Path, *, step: int | None = None, trust: bool = False) -> None:
     """Load this replica's own state from `folder`/edgc_state.pt (save_states' file) into
     `state`; every replica reads the file. With `step`, the file must have been saved at
     that step (a check that the folder belongs to the checkpoint being resumed).
-    Raises ValueError on a corrupt file, another world size or another step."""
-    data = read_states(folder, mmap=True)  # (copied below: only this replica's entry is read)
+    Raises ValueError on a corrupt file, another world size or another step, and on a file
+    that names code to run, unless `trust` (read_states)."""
+    data = read_states(folder, mmap=True, trust=trust)  # (copied below: only this replica's entry is read)
     if step is not None and data.get("step") is not None and int(data["step"]) != step:
         raise ValueError(f"the EDGC state in {str(folder)!r} was saved at step {data['step']}, and training "
                          f"resumes at step {step}")

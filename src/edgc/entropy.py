@@ -81,7 +81,10 @@ def sample_offsets(numels: Sequence[int], rate: float) -> list[int]:
 
 def sample_into(out: torch.Tensor, tensor: torch.Tensor, rate: float) -> None:
     """Write every k-th element of the flattened `tensor` into `out` (ceil(N / k) elements,
-    converted to out's dtype); the tensor is not changed."""
+    converted to out's dtype); the tensor is not changed. An empty `out` takes nothing: a
+    tensor left out of the sample (CompressionState.uncounted)."""
+    if out.numel() == 0:
+        return
     # copy_ both gathers the strided view and converts the dtype in one pass.
     out.copy_(tensor.detach().reshape(-1)[:: sample_stride(rate)])
 

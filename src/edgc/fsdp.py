@@ -52,6 +52,8 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import math
+import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +68,7 @@ from edgc.comm.compression import Entry
 from edgc.comm.stats import EDGCStats
 from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
+from edgc.safeload import load_torch
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +93,10 @@ class EDGCFSDPState:
     FSDPModule (built by register_edgc). `stats()`, `state_dict()`, `load_state_dict()`,
     `set_grad_scale()` and `set_learning_rate()` behave as EDGCState's."""
 
-    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int]):
+    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int, int]):
         self._modules = modules
         self.sync = sync
-        self.layout = layout  # (replicate, shard) sizes
+        self.layout = layout  # (replicate, shard, tp) sizes
         self._calls = 0  # modules synced so far in this step
 
     @property
@@ -116,29 +119,30 @@ class EDGCFSDPState:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
     def state_dict(self) -> dict[str, Any]:
-        """{"format", "layout": [replicate, shard], "rank<global rank>": this process's
+        """{"format", "layout": [replicate, shard, tp], "rank<global rank>": this process's
         compression state as bytes}: see the module doc."""
         blob = io.BytesIO()
         torch.save(self.sync.state_dict(copy=False), blob)  # (serialised here: no copy of the error first)
         return {"format": _FORMAT, "layout": list(self.layout), self._key(): blob.getvalue()}
 
-    def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True) -> None:
+    def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True, trust: bool = False) -> None:
         """Restore this process's state from state_dict() (or a DCP load into it), before
         the first step. Raises ValueError on another layout, naming both, or a state
-        without this rank's entry."""
+        without this rank's entry, and edgc.safeload.UnsafeFileError on an entry that names
+        code to run unless `trust` (only for a state one trusts)."""
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
             raise ValueError(f"not an EDGC FSDP state dict (missing format marker {_FORMAT!r})")
-        saved = tuple(int(x) for x in d["layout"])
+        saved = (*(int(x) for x in d["layout"]), 1)[:3]  # (states saved before TP hold [replicate, shard])
         if saved != self.layout:
-            raise ValueError(f"EDGC FSDP state was saved by a layout of {saved[0]} replicas x {saved[1]} shards, "
-                             f"but this job has {self.layout[0]} replicas x {self.layout[1]} shards; error "
-                             "feedback is per shard and cannot be remapped")
+            raise ValueError(f"EDGC FSDP state was saved by a layout of {_say(saved)}, but this job has "
+                             f"{_say(self.layout)}; error feedback is per shard and cannot be remapped")
         key = self._key()
         if key not in d:
             raise ValueError(f"EDGC FSDP state dict has no entry for this process ({key})")
         blob = d[key]  # (bytes; a uint8 tensor in edgc train's checkpoints: edgc.comm.replicas.blobs_as_tensors)
         data = blob.numpy().tobytes() if isinstance(blob, torch.Tensor) else blob
-        inner = torch.load(io.BytesIO(data), weights_only=False)
+        inner = load_torch(data, what=f"EDGC FSDP state entry {key!r}", how="load_state_dict(..., trust=True)",
+                           trust=trust)
         self.sync.load_state_dict(inner, strict_replica=strict_replica)
 
     def _hook(self, index: int, output: torch.Tensor) -> None:
@@ -167,6 +171,10 @@ class EDGCFSDPState:
         self.sync.receive(output, module.entries, future, last)
         if not future.done():  # (the eager core completes every buffer in its own call)
             raise RuntimeError("EDGC: a module's gradient was not averaged within FSDP's hook")
+
+
+def _say(layout: tuple[int, ...]) -> str:
+    return f"{layout[0]} replicas x {layout[1]} shards x {layout[2]} TP ranks"
 
 
 def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str = "replicate") -> NativeHSDPState:
@@ -206,6 +214,97 @@ def _mesh_groups(mesh: DeviceMesh, replicate: str, shard: str) -> tuple[DeviceMe
 
 def _ranks(group: dist.ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group)
+
+
+@dataclass(frozen=True)
+class _TensorParallel:
+    """What tensor parallelism does to a model's FSDP parameters, seen from this process."""
+
+    dims: tuple[str, ...]  # the mesh dimensions the parameters are split over besides the shard one ("tp")
+    size: int  # TP ranks (the product of those dimensions' sizes; 1 without TP)
+    copies: frozenset[Hashable]  # entry keys of tensors held whole on every TP rank, counted on another one
+
+
+def _tensor_parallel(mesh: DeviceMesh, groups: list[Any], replicate_dim: str, shard_dim: str) -> _TensorParallel:
+    """Read the TP layout off the parameters FSDP holds: a parameter that
+    `parallelize_module` split is a DTensor on a (shard, tp) mesh. A tensor TP leaves whole
+    (outside the plan, or Replicate on the TP dimension) is a copy on every TP rank; it is
+    counted in the signals by the TP rank whose coordinate is 0 on every dimension it is
+    not split over. Raises ValueError when the TP mesh is not a slice of the same mesh as
+    `mesh`."""
+    dims: list[str] = []
+    for group in groups:
+        for fp in group.fsdp_params:
+            for name in fp.sharded_param.device_mesh.mesh_dim_names or ():
+                if name != shard_dim and name not in dims:
+                    dims.append(name)
+    if not dims:
+        return _TensorParallel((), 1, frozenset())
+    root = _root_mesh(mesh)
+    root_names = tuple(root.mesh_dim_names or ())
+    missing = [d for d in dims if d not in root_names]
+    if missing or replicate_dim in dims:
+        raise ValueError(f"the model's parameters are split over mesh dimensions {dims}, which the mesh given to "
+                         f"register_edgc does not slice from (its root mesh has {root_names}): build one mesh "
+                         f"({replicate_dim!r}, {shard_dim!r}, 'tp') and pass mesh[{replicate_dim!r}, {shard_dim!r}]")
+    coordinate = {d: root[d].get_local_rank() for d in dims}
+    copies = set()
+    for index, group in enumerate(groups):
+        for k, fp in enumerate(group.fsdp_params):
+            param_mesh = fp.sharded_param.device_mesh
+            names = tuple(param_mesh.mesh_dim_names or ())
+            split = {n for n, placement in zip(names, fp.sharded_param.placements, strict=True)
+                     if n != shard_dim and not placement.is_replicate()}
+            if any(coordinate[d] != 0 for d in dims if d not in split):
+                copies.add((index, k))
+    return _TensorParallel(tuple(dims), math.prod(root[d].size() for d in dims), frozenset(copies))
+
+
+def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...]) -> dist.ProcessGroup:
+    """The group that agrees the decisions: every process that shares this one's
+    coordinates on the root mesh's other dimensions (a pipeline stage's "pp"), over the
+    `stage_dims`. Every process creates every such group, in the same order
+    (torch.distributed.new_subgroups_by_enumeration), as new_group requires."""
+    root = _root_mesh(mesh)
+    names = tuple(root.mesh_dim_names or ())
+    if not set(stage_dims) <= set(names):  # (a mesh of its own, not sliced: it is the stage)
+        names, root = tuple(mesh.mesh_dim_names or ()), mesh
+    other = [i for i, n in enumerate(names) if n not in stage_dims]
+    inner = [names.index(n) for n in stage_dims]
+    ranks = root.mesh.permute(*other, *inner).reshape(-1, math.prod(root.mesh.shape[i] for i in inner))
+    stages = [sorted(row.tolist()) for row in ranks]
+    if len(stages) == 1 and len(stages[0]) == dist.get_world_size():
+        assert dist.group.WORLD is not None  # (initialised: register_edgc checked)
+        return dist.group.WORLD
+    group, _ = dist.new_subgroups_by_enumeration(stages)
+    if group is None:
+        raise ValueError(f"process {dist.get_rank()} is not in the mesh given to register_edgc")
+    return group
+
+
+def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: _TensorParallel) -> None:
+    """Raise ValueError unless every process of the stage holds shards of the same shapes.
+
+    The TP ranks must compress alike: the same groups of matrices draw the same Q from the
+    same seed, so that a tensor held whole on every TP rank stays bit-identical, and the
+    rank policy, which reads the shapes, decides alike. One all-reduce at registration
+    (MAX of the shapes' checksum and of its negation: 16 bytes), none in the steps."""
+    shapes = [shape for m in modules for _, shape in m.entries]
+    checksum = zlib.crc32(repr(shapes).encode())
+    device = modules[0].group.fsdp_params[0].sharded_param.device
+    both = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=control)
+    if int(both[0]) != checksum or int(both[1]) != -checksum:
+        raise ValueError(f"the {tp.size} TP ranks hold shards of different shapes (uneven splits); EDGC compresses "
+                         "every TP rank alike and needs equal shards: make the split dimensions (heads, widths) "
+                         f"divisible by {tp.size}")
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh `mesh` was sliced from (itself when it was not); torch keeps it privately
+    (DeviceMesh._get_root_mesh, checked with torch 2.11 to 2.13)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    return get_root() if get_root is not None else mesh
 
 
 def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None = None, *,
@@ -263,15 +362,16 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
         dtypes.append(mp.reduce_dtype or group.fsdp_params[0].sharded_param.dtype)
         modules.append(_Module(label, group, entries, numel))
         hooked.append(m)
-    world = dist.get_world_size()
-    mesh_ranks = mesh.mesh.flatten().tolist()
-    control = dist.group.WORLD if len(mesh_ranks) == world else dist.new_group(sorted(mesh_ranks))
+    tp = _tensor_parallel(mesh, [m.group for m in modules], replicate_dim, shard_dim)
+    control = _stage_group(mesh, (replicate_dim, shard_dim, *tp.dims))
+    if tp.size > 1:
+        _check_same_shards(modules, control, tp)
     # (the core checks the config: its type, its values, and that max_rank is set)
     sync = GradientSync(replicate_mesh.get_group(), config, control_group=control, eager=True)
-    sync.declare([m.entries for m in modules], dtypes)
-    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size()))
+    sync.declare([m.entries for m in modules], dtypes, uncounted=tp.copies)
+    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size(), tp.size))
     for index, m in enumerate(hooked):
         m.set_all_reduce_hook(functools.partial(state._hook, index))
-    logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards", len(modules), *state.layout)
+    logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards x %s TP ranks", len(modules), *state.layout)
     return state
 

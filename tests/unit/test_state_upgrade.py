@@ -23,7 +23,7 @@ from edgc.comm.buckets import sync_with_hook
 from edgc.config import upgrade_config_v1
 
 DATA = Path(__file__).parents[1] / "data" / "v1_states.pt"
-SAVED: dict[str, dict[str, Any]] = torch.load(DATA, weights_only=False)
+SAVED: dict[str, dict[str, Any]] = torch.load(DATA, weights_only=True)  # (as edgc loads files: no code)
 STEPS_BEFORE, STEPS_AFTER = 4, 4  # (as make_v1_states.py saved them)
 TIMING = ("compress_seconds", "comm_seconds", "entropy_seconds")
 

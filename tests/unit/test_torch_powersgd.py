@@ -58,11 +58,12 @@ def _per_param(flat_by_bucket, layout):
     return out
 
 
-def _roundtrip(d):
+def _roundtrip(d, weights_only=True):
+    """`d` through a file, loaded as edgc loads files (only tensors and plain values)."""
     buf = io.BytesIO()
     torch.save(d, buf)
     buf.seek(0)
-    return torch.load(buf, weights_only=False)
+    return torch.load(buf, weights_only=weights_only)
 
 
 def test_saved_error_feedback_is_per_parameter_and_rebuilt_for_another_layout(one_process_group):
@@ -73,7 +74,7 @@ def test_saved_error_feedback_is_per_parameter_and_rebuilt_for_another_layout(on
     assert a.inner.iter == 4 and len(a.inner.error_dict) == 2
     original = _per_param(a.inner.error_dict, SAVED)
     saved = _roundtrip(a.state_dict())
-    assert saved["version"] == 2 and not any(saved["inner"].get(k) for k in ("error_dict", "q_memory_dict"))
+    assert saved["version"] == 3 and not any(saved["inner"].get(k) for k in ("error_dict", "q_memory_dict"))
     assert sorted(saved["params"]["error"]) == list(range(len(SHAPES)))
     for i, e in original.items():
         assert torch.equal(saved["params"]["error"][i], e)
@@ -138,6 +139,26 @@ def test_old_per_bucket_checkpoints_load_before_compression_and_are_refused_afte
         _state(module).load_state_dict(old)
     with pytest.raises(ValueError, match="version 7"):
         _state(module).load_state_dict({**a.state_dict(), "version": 7})
+
+
+def test_torchs_numpy_generator_is_saved_as_plain_values_and_version_2_still_loads(one_process_group):
+    # torch's PowerSGDState keeps a numpy RandomState, which a weights-only load refuses;
+    # version 3 saves its state as a tensor and numbers, and a version-2 state (the object
+    # itself, from a file loaded with trust) still loads
+    module = _module()
+    a = _state(module)
+    for step in range(4):
+        _step(a, module, SAVED, _grads(step))
+    a.inner.rng.standard_normal()  # (a cached Gaussian too: every part of the state travels)
+    saved = _roundtrip(a.state_dict())
+    assert isinstance(saved["inner"]["rng"], dict) and isinstance(saved["inner"]["rng"]["keys"], torch.Tensor)
+    old = _roundtrip({**a.state_dict(), "version": 2, "inner": {**a.state_dict()["inner"], "rng": a.inner.rng}},
+                     weights_only=False)
+    want = a.inner.rng.randint(1_000_000_000, size=5).tolist()
+    for d in (saved, old):
+        b = _state(module)
+        b.load_state_dict(d)
+        assert b.inner.rng.randint(1_000_000_000, size=5).tolist() == want
 
 
 def test_saved_state_must_fit_the_module(one_process_group):

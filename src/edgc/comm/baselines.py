@@ -19,6 +19,7 @@ all-reduce, used when no hook is registered, overlaps too).
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
@@ -29,7 +30,9 @@ from edgc.comm.timing import LapSum, start_lap
 __all__ = ["AllReduceState", "NativeHSDPState", "NoSyncState", "TorchPowerSGDState", "allreduce_hook", "no_sync_hook",
            "torch_powersgd_hook"]
 
-STATE_VERSION = 2  # TorchPowerSGDState: 2 saves torch's buffers per parameter (1: per DDP bucket, as torch keeps them)
+# TorchPowerSGDState: 3 saves torch's numpy RandomState as plain values (a weights-only load
+# takes them), 2 saves torch's buffers per parameter (1: per DDP bucket, as torch keeps them)
+STATE_VERSION = 3
 
 
 class _Counters:
@@ -355,6 +358,7 @@ class TorchPowerSGDState(_Counters):
     def state_dict(self) -> dict[str, Any]:
         inner = {slot: getattr(self.inner, slot) for slot in self.inner.__slots__
                  if slot != "process_group" and slot not in self._BUFFERS}
+        inner["rng"] = _rng_values(inner["rng"])
         if self._has_buffers() and self.module is None:
             raise RuntimeError("TorchPowerSGDState needs the module (module= or bind) to save its compression state")
         params = self._split()
@@ -375,7 +379,7 @@ class TorchPowerSGDState(_Counters):
                                  "does not have at its first step; it cannot be resumed exactly. Start the run "
                                  "again (or resume from a checkpoint taken before compression started)")
             params = _PerParam()
-        elif version == STATE_VERSION:
+        elif version in (2, STATE_VERSION):
             params = _PerParam.from_dict(d["params"])
         else:
             raise ValueError(f"torch-powersgd-state has version {version}, this edgc reads {STATE_VERSION}")
@@ -383,6 +387,8 @@ class TorchPowerSGDState(_Counters):
             if self.module is None:
                 raise RuntimeError("TorchPowerSGDState needs the module (module= or bind) to load compression state")
             self._check_params(params, inner.get("matrix_approximation_rank", self.inner.matrix_approximation_rank))
+        if isinstance(inner.get("rng"), dict):  # (version 3; before, numpy's object itself)
+            inner["rng"] = _rng_from_values(inner["rng"])
         for slot, value in inner.items():
             if slot != "process_group" and slot not in self._BUFFERS:
                 setattr(self.inner, slot, value)
@@ -409,6 +415,23 @@ class TorchPowerSGDState(_Counters):
                 if tuple(t.shape) != tuple(want):
                     raise ValueError(f"torch-powersgd-state holds {kind} of shape {tuple(t.shape)} for parameter {i}, "
                                      f"which needs {tuple(want)}")
+
+
+def _rng_values(rng: np.random.RandomState) -> dict[str, Any]:
+    """The state of torch's numpy generator (it seeds each new Q) as plain values: the
+    Mersenne Twister's keys as an int64 tensor, the rest as numbers. Changes nothing."""
+    state = rng.get_state(legacy=False)
+    keys = torch.from_numpy(state["state"]["key"].astype(np.int64))
+    return {"bit_generator": str(state["bit_generator"]), "keys": keys, "pos": int(state["state"]["pos"]),
+            "has_gauss": int(state["has_gauss"]), "gauss": float(state["gauss"])}
+
+
+def _rng_from_values(d: dict[str, Any]) -> np.random.RandomState:
+    """A numpy generator in the state `_rng_values` returned."""
+    rng = np.random.RandomState()
+    rng.set_state({"bit_generator": d["bit_generator"], "has_gauss": int(d["has_gauss"]), "gauss": float(d["gauss"]),
+                   "state": {"key": d["keys"].numpy().astype(np.uint32), "pos": int(d["pos"])}})
+    return rng
 
 
 class _PerParam:

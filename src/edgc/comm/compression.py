@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ class CompressionState:
         self.slot_shapes: list[tuple[int, ...]] = []
         self.slot_dtypes: list[torch.dtype] = []  # (this process's; from its first step)
         self._slot_of: dict[Hashable, int] = {}  # an entry's key (DDP: id(param)) -> slot
+        self.uncounted: set[int] = set()  # slots left out of the signals: another process counts them (TP copies)
         self.units: list[tuple[int, ...]] | None = None  # the plan; None: none yet
         self._unit_plans: dict[tuple[bool, tuple[int, ...]], UnitPlan] = {}
         self._sample_at: tuple[float, list[int], torch.dtype] | None = None
@@ -87,10 +88,15 @@ class CompressionState:
             self.slot_shapes.append(tuple(shape))
         return self._slot_of[key]
 
-    def declare(self, layout: Sequence[Sequence[Entry]], dtypes: Sequence[torch.dtype]) -> None:
+    def declare(self, layout: Sequence[Sequence[Entry]], dtypes: Sequence[torch.dtype],
+                uncounted: Collection[Hashable] = ()) -> None:
         """Give every tensor its slot before the first step, buffer by buffer (eager
-        adapters); `dtypes`, one per buffer. Raises ValueError on a mismatch with a loaded
-        state, RuntimeError once slots are assigned."""
+        adapters); `dtypes`, one per buffer; `uncounted`, the keys of tensors this process
+        holds as a copy that another process counts (a tensor parallelism leaves whole on
+        every TP rank): they are synchronised as any other, but left out of the signals
+        (the GDS sample and the warm-up check), so that the group's mean counts them once.
+        Raises ValueError on a mismatch with a loaded state, RuntimeError once slots are
+        assigned."""
         if self._slot_of:
             raise RuntimeError("this EDGC state's tensors were declared or seen already")
         if len(dtypes) != len(layout):
@@ -99,6 +105,7 @@ class CompressionState:
             for key, shape in entries:
                 self._new_slot(key, shape)
                 self.slot_dtypes.append(dtype)
+        self.uncounted = {self._slot_of[key] for key in uncounted}
         self.check_expected_shapes()
 
     def check_expected_shapes(self) -> None:
@@ -159,10 +166,11 @@ class CompressionState:
 
     def sample_layout(self, rate: float) -> tuple[list[int], torch.dtype]:
         """Where each slot's sample lies in a step's sample buffer (gradient_sample_rate
-        `rate`, slots in order), and the buffer's dtype."""
+        `rate`, slots in order; an uncounted slot's is empty), and the buffer's dtype."""
         if self._sample_at is None or self._sample_at[0] != rate:
             dtype = torch.float64 if torch.float64 in self.slot_dtypes else torch.float32
-            self._sample_at = (rate, sample_offsets([math.prod(s) for s in self.slot_shapes], rate), dtype)
+            numels = [0 if s in self.uncounted else math.prod(shape) for s, shape in enumerate(self.slot_shapes)]
+            self._sample_at = (rate, sample_offsets(numels, rate), dtype)
         return self._sample_at[1], self._sample_at[2]
 
     def unit_plan(self, unit: tuple[int, ...], groups: list[Group], device: torch.device | None) -> UnitPlan:

@@ -151,5 +151,12 @@ def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future
     """
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     params = bucket.parameters()
+    if state.sync.collectives.bound is None and any(hasattr(p, "_st_info") for p in params):
+        # (DDP(device_mesh=...) turned tensor-parallel DTensors into local parameters
+        # marked with their sharding: torch's DDP + TP workaround)
+        raise ValueError("EDGC does not compress a tensor-parallel model under DDP: its TP ranks would choose "
+                         "their ranks apart; shard it with FSDP2 instead (fully_shard on a shard mesh of size 1 is "
+                         "fine) and call edgc.fsdp.register_edgc(model, mesh['replicate', 'shard'], config), as "
+                         "docs/tensor-parallel.md shows")
     state.sync.receive(bucket.buffer(), [(id(p), tuple(p.shape)) for p in params], future, bucket.is_last())
     return future

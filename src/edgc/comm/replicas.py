@@ -110,8 +110,12 @@ def blobs_as_tensors(obj: Any) -> Any:
     """`obj` with every bytes value in its dicts and lists as a uint8 tensor over the same
     memory (no copy), for torch.save: it pickles a bytes value into its in-memory pickle
     stream, copying it two or three times, but writes a tensor's storage straight to the
-    file. (An FSDP state's compression state is such a value: edgc.fsdp.) Changes nothing."""
-    if isinstance(obj, bytes) and obj:
+    file. (An FSDP state's compression state is such a value: edgc.fsdp.) An empty bytes
+    value becomes an empty tensor: torch.load(weights_only=True), as edgc loads files,
+    refuses an empty bytes (it is pickled as a call of `bytes`). Changes nothing."""
+    if isinstance(obj, bytes) and not obj:
+        return torch.empty(0, dtype=torch.uint8)  # (torch.frombuffer refuses an empty buffer)
+    if isinstance(obj, bytes):
         with warnings.catch_warnings():  # (read-only memory: the tensor is only ever read)
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(obj, dtype=torch.uint8)

@@ -550,8 +550,8 @@ class StepSync:
     def _add_error_sums(self, slots: Sequence[int]) -> None:
         """Eager warm-up check: add a buffer's compressible matrices, before they are
         averaged, to the step's error sums."""
-        mats = [self.grads[s] for s in slots
-                if compressible(self.compression.slot_shapes[s], self.info.error_ranks[1],
+        mats = [self.grads[s] for s in slots if s not in self.compression.uncounted
+                and compressible(self.compression.slot_shapes[s], self.info.error_ranks[1],
                                 self.config.min_compression_rate)]
         self.error_sums = add_error_sums(self.error_sums, mats, self.info, self.config)
 

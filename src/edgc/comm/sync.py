@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -313,10 +313,12 @@ class GradientSync:
         self.nonfinite_steps, self.compressed_steps = int(stats["nonfinite_steps"]), int(stats["compressed_steps"])
         self._loaded = d
 
-    def declare(self, layout: Sequence[Sequence[Entry]], dtypes: Sequence[torch.dtype]) -> None:
+    def declare(self, layout: Sequence[Sequence[Entry]], dtypes: Sequence[torch.dtype],
+                uncounted: Collection[Hashable] = ()) -> None:
         """Eager adapters: give every tensor its slot before the first step, buffer by
-        buffer in `layout`; `dtypes`, one per buffer (CompressionState.declare)."""
-        self.compression.declare(layout, dtypes)
+        buffer in `layout`; `dtypes`, one per buffer; `uncounted`, the keys of copies that
+        another process counts in the signals (CompressionState.declare)."""
+        self.compression.declare(layout, dtypes, uncounted)
 
     # ------------------------------------------------------------------ the step
 

@@ -99,17 +99,20 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        # The head count is read off c_attn's output, not the config: under tensor
+        # parallelism (edgc.train.tensor_parallel) c_attn holds q, k and v of this rank's
+        # heads only, and nh below is that local count.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, nh * hs)
+        hs = self.n_embd // self.n_head
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         # softmax(q k^T / sqrt(hs) + causal mask) v, fused where the backend allows
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh * hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 

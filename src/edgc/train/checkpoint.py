@@ -4,7 +4,8 @@ A checkpoint is torch.save's zip archive, whose every record carries a CRC-32 of
 bytes; `load_checkpoint` verifies them all before trusting the file, so a flipped byte
 in the tensor data is an error, not a NaN loss some steps later. `save_checkpoint(...,
 keep=K)` also keeps the last K checkpoints as `checkpoint-STEP.pt` (hard links: no extra
-disk for the newest); `checkpoint.pt` is always the newest.
+disk for the newest); `checkpoint.pt` is always the newest. Only tensors and plain values
+are loaded (edgc.safeload): a checkpoint that names code to run is refused unless trusted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from edgc.atomic import atomic_write
 from edgc.checkpoint import is_torch_archive, verify_checksums
+from edgc.safeload import UnsafeFileError, load_torch
 
 FORMAT = "edgc-checkpoint"
 VERSION = 1
@@ -55,10 +57,12 @@ def kept_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, trust: bool = False) -> dict[str, Any]:
     """Read a checkpoint; raises FileNotFoundError or ValueError with what is wrong: "is not
     an edgc checkpoint" (another file, or another torch file), "is corrupt or truncated" or
-    "fails its checksum" (a damaged one)."""
+    "fails its checksum" (a damaged one), or "is refused" (edgc.safeload.UnsafeFileError: it
+    names a Python object that loading would call). trust=True loads such a file, running
+    that code: only for a checkpoint one trusts (edgc train --trust-checkpoint)."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT_NAME
@@ -76,7 +80,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"--resume {path.parent / older[-1]})") if older else "; it cannot be resumed"
         raise ValueError(f"{exc}{hint}") from None
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = load_torch(path, what="checkpoint", trust=trust,
+                          how="edgc train --trust-checkpoint (in Python: load_checkpoint(..., trust=True))")
+    except UnsafeFileError:
+        raise
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
         raise ValueError(f"checkpoint {str(path)!r} is corrupt or truncated ({type(exc).__name__}: {exc}); "
                          f"it cannot be resumed") from None
@@ -88,11 +95,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,
-                     layout: tuple[int, int] | None = None, hsdp: tuple[int, int] | None = None) -> None:
+                     layout: tuple[int, int] | None = None, hsdp: tuple[int, ...] | None = None) -> None:
     """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs.
 
     `layout` is (pp, dp); None means no pipeline, (1, world_size). `hsdp` is (replicate,
-    shard) of an HSDP job, None for DDP.
+    shard) of an HSDP job, (replicate, shard, tp) with tensor parallelism, None for DDP.
     """
     saved = ckpt["train"]
     problems = []
@@ -106,7 +113,8 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
     saved_hsdp = tuple(ckpt["hsdp"]) if ckpt.get("hsdp") is not None else None
     if saved_hsdp != (tuple(hsdp) if hsdp is not None else None):
         def say(x: tuple[int, ...] | None) -> str:
-            return f"HSDP {x[0]} replicas x {x[1]} shards" if x else "DDP"
+            tp = f" x {x[2]} TP ranks" if x is not None and len(x) > 2 else ""
+            return f"HSDP {x[0]} replicas x {x[1]} shards{tp}" if x else "DDP"
         problems.append(f"data parallelism: checkpoint {say(saved_hsdp)}, this job {say(hsdp)}")
     if saved["preset"] != preset or ckpt["model_config"] != model_config:
         problems.append(f"model: checkpoint {saved['preset']} {ckpt['model_config']}, this job {preset} {model_config}")

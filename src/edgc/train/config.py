@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -17,11 +14,9 @@ from edgc.config import MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal
 from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
+from edgc.train.config_file import check_folder_path, load_config_file
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, packaged for Python 3.10 (a dependency there only)
-    import tomli as tomllib
+__all__ = ["METHODS", "TrainConfig", "load_config_file", "process_group_backend"]
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only")
 SCHEDULES = ("1f1b", "gpipe")
@@ -57,15 +52,15 @@ class TrainConfig:
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype", "compile",
                                     "emulated_device_ms"),
-        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "pp", "dp", "schedule", "microbatches",
-                                        "sync_after_send", "activation_rank"),
+        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "sequence_parallel", "pp", "dp",
+                                        "schedule", "microbatches", "sync_after_send", "activation_rank"),
         "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "lr_schedule",
                          "min_lr", "lr_warmup_steps", "lr_drop_steps", "lr_drop_gamma", "weight_decay", "grad_clip",
                          "seed", "max_nonfinite_steps"),
         "data": ("data", "tokenizer", "vocab_size", "corpus_bytes", "data_cache"),
         "evaluation": ("eval_every", "eval_tokens"),
         "run folder, logging and checkpoints": ("out", "log", "progress", "checkpoint_every", "keep_checkpoints",
-                                                "max_restarts"),
+                                                "max_restarts", "trust_checkpoint"),
     }
     #: The EDGCConfig defaults that `edgc_config` scales to the run, in words (the CLI's
     #: help shows them in place of EDGCConfig's own defaults).
@@ -224,6 +219,17 @@ class TrainConfig:
     """HSDP replicas (nodes) of each shard group; None: world // dp_shard. dp_shard *
     dp_replicate must equal the world."""
 
+    tp: int = 1
+    """Tensor-parallel ranks per model replica: torch's DTensor tensor parallelism splits
+    each GPT-2 block's attention heads and MLP over T adjacent workers (the embeddings and
+    the head stay whole). With T > 1 the model goes through FSDP2 (shard size dp_shard,
+    1 by default; replicas dp_replicate or dp) and edgc compresses each TP rank's shards
+    over its own replicate group. The world is replicas * dp_shard * tp."""
+
+    sequence_parallel: bool = False
+    """With tp > 1: split the norms and the residual stream between the blocks on the
+    sequence over the TP ranks (torch's SequenceParallel) instead of holding them whole."""
+
     pp: int = 1
     """Pipeline stages. With pp > 1 the GPT-2 blocks are split into pp stages
     (torch.distributed.pipelining); stage 0 holds the embedding, the last the head."""
@@ -259,6 +265,12 @@ class TrainConfig:
     """Local launcher: when a worker dies (killed, out of memory, a lost peer), restart the
     job from the last checkpoint, up to this many times. Under torchrun use its own
     --max-restarts with --auto-resume."""
+
+    trust_checkpoint: bool = False
+    """Resume from a checkpoint that names Python objects other than tensors and plain
+    values: loading it calls them, which can run any code, so give it only for a file you
+    trust. Without it such a checkpoint is refused unloaded, naming what it holds. Not
+    kept: a later resume must give it again."""
 
     max_nonfinite_steps: int = 25
     """Stop the run when the loss or gradient norm is not finite for this many steps in a
@@ -318,11 +330,11 @@ class TrainConfig:
             bad("emulated_device_ms", f"must be in [0, {MAX_EMULATED_MS:.0f}] (ms)")
         if not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB:
             bad("bucket_cap_mb", f"must be in (0, {MAX_BUCKET_MB:.0f}] (MB)")
-        _check_folder_path("out", self.out, writable=True)
+        check_folder_path("out", self.out, writable=True)
         if self.data is None:
             # (written only when the built-in corpus is still to be prepared there)
             prepared = (self.builtin_data_folder() / "meta.json").is_file()
-            _check_folder_path("data_cache", self.data_cache, writable=not prepared)
+            check_folder_path("data_cache", self.data_cache, writable=not prepared)
         if self.device == "cuda" and not torch.cuda.is_available():
             bad("device", "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
         if self.data is not None and not (Path(self.data) / "meta.json").is_file():
@@ -334,7 +346,7 @@ class TrainConfig:
         self.dac_config()
         if self.microbatches is not None and self.pp == 1:
             bad("microbatches", "splits a pipeline's step: it needs pp > 1")
-        for name in ("pp", "dp_shard"):
+        for name in ("pp", "dp_shard", "tp"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
         for name in ("dp", "microbatches", "dp_replicate"):
@@ -350,7 +362,7 @@ class TrainConfig:
             bad("activation_rank", "must be an integer >= 0")
         if self.activation_rank and self.pp == 1:
             bad("activation_rank", "compresses traffic between pipeline stages: it needs pp > 1")
-        if self.nproc is not None and self.dp is not None and self.pp * self.dp != self.nproc:
+        if self.nproc is not None and self.dp is not None and not self.hsdp and self.pp * self.dp != self.nproc:
             bad("nproc", f"pp({self.pp}) * dp({self.dp}) != world({self.nproc}): the layout must use every "
                          f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
         if self.compile and not self.hsdp and self.bucket_cap_mb < 1:
@@ -358,8 +370,9 @@ class TrainConfig:
                                  "buckets of this size and refuses any smaller than 1 MB")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
+        self._check_tp(bad)
         if self.hsdp:
-            if self.pp > 1 or self.dp is not None:
+            if self.pp > 1 or (self.dp is not None and (self.tp == 1 or self.dp_replicate is not None)):
                 bad("dp_shard", "HSDP (--dp-shard, --dp-replicate) does not combine with pipelines (--pp, --dp)")
             if self.method not in ("none", "powersgd", "edgc"):
                 bad("method", f"{self.method} is not supported with HSDP: use none (native HSDP), powersgd or edgc")
@@ -387,6 +400,26 @@ class TrainConfig:
                 raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
             if self.schedule == "1f1b" and mb < self.pp:
                 raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
+
+    def _check_tp(self, bad: Any) -> None:
+        """Refuse (through `bad`) a tensor-parallel setting the run cannot serve."""
+        from edgc.train.tensor_parallel import check_tp
+
+        if self.sequence_parallel and self.tp == 1:
+            bad("sequence_parallel", "splits the sequence over the TP ranks: it needs tp > 1")
+        if self.tp == 1:
+            return
+        try:
+            check_tp(PRESETS[self.preset], self.tp)
+        except ValueError as exc:
+            bad("tp", f"{exc} (preset {self.preset})")
+        if self.pp > 1:
+            bad("tp", "tensor parallelism does not combine with pipelines (--pp) yet")
+        if self.compile:
+            bad("compile", "is not supported with tensor parallelism (--tp) yet")
+        if self.method not in ("none", "powersgd", "edgc"):
+            bad("method", f"{self.method} is not supported with tensor parallelism: use none (native HSDP), "
+                          "powersgd or edgc")
 
     def lr_drops(self) -> list[int]:
         """The steps of `lr_drop_steps`, in order; raises ValueError unless they are
@@ -420,27 +453,31 @@ class TrainConfig:
         if self.nproc is not None:
             return self.nproc
         if self.hsdp:
-            return self.dp_shard * (self.dp_replicate or 2)
+            return self.dp_shard * (self.dp_replicate or self.dp or 2) * self.tp
         if self.dp is not None:
             return self.pp * self.dp
         return self.pp if self.pp > 1 else 2
 
     @property
     def hsdp(self) -> bool:
-        """Whether the run shards the model with FSDP2 (dp_shard > 1 or dp_replicate given)."""
-        return self.dp_shard != 1 or self.dp_replicate is not None
+        """Whether the run shards the model with FSDP2 (dp_shard > 1, dp_replicate given, or
+        tensor parallelism)."""
+        return self.dp_shard != 1 or self.dp_replicate is not None or (self.tp > 1 and self.pp == 1)
 
-    def hsdp_layout(self, world: int) -> tuple[int, int]:
-        """(replicate, shard) of an HSDP run on `world` workers; raises ValueError unless
-        they use every worker exactly once."""
-        replicate = self.dp_replicate if self.dp_replicate is not None else world // self.dp_shard
-        if replicate * self.dp_shard != world or replicate < 1:
-            raise ValueError(f"dp_replicate({replicate}) * dp_shard({self.dp_shard}) != world({world}): "
+    def hsdp_layout(self, world: int) -> tuple[int, ...]:
+        """(replicate, shard) of an HSDP run on `world` workers, and tp after them when
+        tp > 1; raises ValueError unless they use every worker exactly once."""
+        given = self.dp_replicate if self.dp_replicate is not None else self.dp
+        replicate = given if given is not None else world // (self.dp_shard * self.tp)
+        if replicate * self.dp_shard * self.tp != world or replicate < 1:
+            name = "dp_replicate" if self.dp_replicate is not None or self.dp is None else "dp"
+            tp = f" * tp({self.tp})" if self.tp > 1 else ""
+            raise ValueError(f"{name}({replicate}) * dp_shard({self.dp_shard}){tp} != world({world}): "
                              "the layout must use every worker exactly once")
-        return replicate, self.dp_shard
+        return (replicate, self.dp_shard, self.tp) if self.tp > 1 else (replicate, self.dp_shard)
 
     def check_layout(self, world: int) -> None:
-        """Raise ValueError unless pp * dp (or under HSDP dp_replicate * dp_shard) == world,
+        """Raise ValueError unless pp * dp (or under HSDP dp_replicate * dp_shard * tp) == world,
         showing the arithmetic."""
         if self.hsdp:
             self.hsdp_layout(world)
@@ -530,71 +567,3 @@ class TrainConfig:
     def _refuse(self, name: str, why: str) -> None:
         """Raise ValueError "<name>=<value>: <why>" about field `name`."""
         raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
-
-
-def _check_folder_path(name: str, path: str, writable: bool = False) -> None:
-    """Raise ValueError unless the folder `path` (field `name`) exists or could be made:
-    it must not be empty, nor a file, nor lie under a file; and if `writable`, this
-    process must be able to write in it, or make it (os.access: a read-only file system,
-    or no write permission, is refused now rather than at the first file a run writes)."""
-    if not path:
-        raise ValueError(f"{name}={path!r}: must name a folder")
-    here = Path(path)
-    try:
-        existing = next((p for p in (here, *here.parents) if p.exists()), None)  # "." or "/" at the latest
-    except (OSError, ValueError) as exc:  # (a name too long, a NUL byte)
-        raise ValueError(f"{name}={path!r}: not a usable folder path ({exc})") from None
-    if existing is not None and not existing.is_dir():
-        where = "is a file" if existing == here else f"lies under {str(existing)!r}, which is a file"
-        raise ValueError(f"{name}={path!r}: {where}, not a folder")
-    if writable and existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        what = "this folder" if existing == here else f"{str(existing)!r}, where it would be made,"
-        raise ValueError(f"{name}={path!r}: cannot be written: {what} is read-only here (a read-only file system "
-                         f"or no write permission)")
-
-
-def load_config_file(path: str | Path, tables: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Read a TOML or JSON config file into a dict (keys as TrainConfig fields, and an
-    [edgc] table / "edgc" object for EDGCConfig fields). Each key in `tables` that the
-    file has must hold a table (e.g. ("edgc", "dac") for training options).
-
-    Raises FileNotFoundError for a missing file and ValueError, naming the file, for a
-    folder, a name ending in neither .toml nor .json, unreadable or non-UTF-8 bytes, a
-    syntax error, or content that is not a table. Changes nothing.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"config file {str(path)!r} is a folder, not a file")
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    kind = path.suffix[1:].upper()
-    if kind not in ("TOML", "JSON"):
-        raise ValueError(f"config file {str(path)!r}: only TOML (.toml) and JSON (.json) config files are supported")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
-    try:
-        values = tomllib.loads(text) if kind == "TOML" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid {kind}: {exc}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a table of options (keys and values), "
-                         f"not a {_json_kind(values)}")
-    for key in tables:
-        if key in values and not isinstance(values[key], dict):
-            table = f"an [{key}] table" if kind == "TOML" else f'a "{key}" object'
-            raise ValueError(f"config file {str(path)!r}: {key} must be {table} of options, "
-                             f"not the {_json_kind(values[key])} {values[key]!r}")
-    return values
-
-
-def _json_kind(value: Any) -> str:
-    """The JSON name of a parsed value's type ("list", "number", "text", ...)."""
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {list: "list", str: "text", type(None): "null"}.get(type(value), type(value).__name__)

@@ -3,7 +3,11 @@ FSDP2 / HSDP (--dp-shard, --dp-replicate) with edgc.fsdp, behind one small inter
 training loop uses (`DataParallel`).
 
 HSDP on R x S workers: a 2-D DeviceMesh ("replicate", "shard"), each GPT block and then
-the whole model sharded with fully_shard. Method "none" shards on the whole mesh: native
+the whole model sharded with fully_shard. With tensor parallelism (--tp T) the mesh is
+("replicate", "shard", "tp"), the blocks are split over mesh["tp"] first
+(edgc.train.tensor_parallel), then sharded on mesh["shard"] as above, and edgc is
+registered on mesh["replicate", "shard"]: each TP rank's shards are compressed over its
+own replicate group. Method "none" shards on the whole mesh: native
 HSDP, whose own all-reduce crosses the replicas (its bytes counted by
 edgc.fsdp.count_native_hsdp). "powersgd" and "edgc" shard on the 1-D shard mesh and
 register edgc.fsdp.register_edgc, which compresses that all-reduce. Checkpoints hold the
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -35,7 +40,7 @@ from edgc.config import EDGCConfig
 from edgc.train.common import load_plain_weights
 from edgc.train.config import TrainConfig
 
-__all__ = ["DataParallel", "data_parallel"]
+__all__ = ["DataParallel", "clip_grads", "data_parallel", "replica_bytes"]
 
 
 @dataclass
@@ -44,10 +49,17 @@ class DataParallel:
 
     module: nn.Module  # what the loop calls: the DDP wrapper, or the sharded model itself
     state: Any  # the gradient sync's state: stats(), state_dict(), load_state_dict()
-    hsdp: tuple[int, int] | None  # (replicate, shard) under HSDP, else None
+    hsdp: tuple[int, ...] | None  # (replicate, shard) under HSDP, (replicate, shard, tp) with TP, else None
     sync: Callable[[bool], contextlib.AbstractContextManager]  # sync(last micro-batch?) around a backward
     weights: Callable[[nn.Module, torch.optim.Optimizer], tuple[dict, dict]]  # full (model, optimiser) states
     load_weights: Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]], None]  # from a checkpoint
+    tp_group: Any = None  # this worker's TP group (tp > 1), else None
+    tp_rank: int = 0  # this worker's place in it
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks per replica (1 without TP)."""
+        return self.hsdp[2] if self.hsdp is not None and len(self.hsdp) == 3 else 1
 
 
 def data_parallel(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) -> DataParallel:
@@ -94,9 +106,18 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
     from torch.distributed.fsdp import fully_shard
 
     from edgc.fsdp import count_native_hsdp, register_edgc
+    from edgc.train.tensor_parallel import apply_tp, to_file_layout, to_tp_layout
 
     layout = cfg.hsdp_layout(world)
-    mesh = init_device_mesh(device.type, layout, mesh_dim_names=("replicate", "shard"))
+    n_embd = int(model.config.n_embd)  # type: ignore[union-attr, arg-type]
+    tp_group, tp_rank = None, 0
+    if cfg.tp > 1:  # (TP innermost: a replica's TP ranks are adjacent workers)
+        whole = init_device_mesh(device.type, layout, mesh_dim_names=("replicate", "shard", "tp"))
+        apply_tp(model, whole["tp"], sequence_parallel=cfg.sequence_parallel)
+        mesh = whole["replicate", "shard"]
+        tp_group, tp_rank = whole["tp"].get_group(), whole["tp"].get_local_rank()
+    else:
+        mesh = init_device_mesh(device.type, layout, mesh_dim_names=("replicate", "shard"))
     target = mesh if cfg.method == "none" else mesh["shard"]  # (none: native HSDP on the whole mesh)
     for block in model.h:  # type: ignore[union-attr]
         fully_shard(block, mesh=target)
@@ -114,12 +135,54 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def weights(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-        # (collectives: every rank gathers; rank 0 gets the full states, the others empty dicts)
-        return get_model_state_dict(module, options=full), get_optimizer_state_dict(module, opt, options=full)
+        # (collectives: every rank gathers; rank 0 gets the full states, the others empty dicts;
+        # with TP, c_attn's rows go back to GPT-2's order: edgc.train.tensor_parallel)
+        return to_file_layout(get_model_state_dict(module, options=full),
+                              get_optimizer_state_dict(module, opt, options=full), cfg.tp, n_embd)
 
     def load(module: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
         every_rank = StateDictOptions(full_state_dict=True)  # (each rank read the checkpoint itself)
-        set_model_state_dict(module, saved["model"], options=every_rank)
-        set_optimizer_state_dict(module, opt, saved["optimizer"], options=every_rank)
+        model_state, opt_state = to_tp_layout(saved["model"], saved["optimizer"], cfg.tp, n_embd)
+        set_model_state_dict(module, model_state, options=every_rank)
+        set_optimizer_state_dict(module, opt, opt_state, options=every_rank)
 
-    return DataParallel(model, state, layout, sync, weights, load)
+    return DataParallel(model, state, layout, sync, weights, load, tp_group, tp_rank)
+
+
+def clip_grads(model: torch.nn.Module, max_norm: float, *, tp: int = 1) -> torch.Tensor:
+    """Scale the gradients so that their total norm is at most `max_norm`; returns the
+    norm before (a plain tensor, the same on every worker). With tensor parallelism the
+    parameters live on two meshes (shard, and shard x tp), which torch's clip_grad_norm_
+    cannot stack: each mesh's norm is made whole (a collective per mesh) and summed
+    here, counting a tensor held whole on every TP rank once."""
+    if tp == 1:
+        return _whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    squares = [_whole(torch.nn.utils.get_total_norm(grads)).square() for _, grads in sorted(
+        by_mesh.items(), key=lambda kv: tuple(kv[0].mesh_dim_names or ()) if kv[0] is not None else ())]
+    norm = torch.stack(squares).sum().sqrt()
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for grads in by_mesh.values():
+            for g in grads:
+                g.mul_(coef)
+    return norm
+
+
+def replica_bytes(run: DataParallel, sent: int, whole: int) -> tuple[int, int]:
+    """A step's bytes for the metrics: this worker's, or with tensor parallelism its
+    replica's, summed over the replica's TP ranks (each sends its own shards)."""
+    if run.tp_group is None:
+        return sent, whole
+    both = torch.tensor([sent, whole], dtype=torch.int64)
+    # collective (metrics only): all-reduce SUM of 2 int64 over the TP group, 16 bytes
+    dist.all_reduce(both, group=run.tp_group)
+    return int(both[0]), int(both[1])
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (under FSDP torch returns a DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

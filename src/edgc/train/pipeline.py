@@ -278,7 +278,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     model_config = model_config_of(cfg, meta["vocab_size"])
     start = 0
     if resume:
-        ckpt = load_checkpoint(resume)
+        ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=(layout.pp, layout.dp))
         start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)

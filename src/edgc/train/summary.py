@@ -188,19 +188,25 @@ def _layout(config: dict[str, Any]) -> str:
     if pp > 1 and world:
         return (f"{world} workers as {pp} pipeline stages x {world // pp} replicas "
                 f"({config.get('schedule')}, {config.get('microbatches')} micro-batches)")
+    tp = config.get("tp", 1)
+    if tp > 1 and world:
+        shard = config.get("dp_shard", 1)
+        return (f"{world} workers as {_replicas(config)} replicas x {shard} shard{'s' if shard > 1 else ''} x "
+                f"{tp} TP ranks" + (" (sequence parallel)" if config.get("sequence_parallel") else ""))
     return f"{world} worker" + ("" if world == 1 else "s")
 
 
 def _replicas(config: dict[str, Any]) -> int | None:
     """How many replicas a run's gradient was averaged over: the data-parallel ones (under
-    HSDP the nodes, dp_replicate; with pipelining world // pp); None where the config does
-    not say."""
+    HSDP the nodes, dp_replicate; with tensor parallelism world // (dp_shard * tp); with
+    pipelining world // pp); None where the config does not say."""
     world = config.get("world_size")
     if not world:
         return None
+    tp = config.get("tp", 1)
     # (FSDP2 or HSDP: TrainConfig.hsdp, read off the saved dict)
-    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None:
-        return config.get("dp_replicate") or max(1, world // config.get("dp_shard", 1))
+    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None or tp > 1:
+        return config.get("dp_replicate") or max(1, world // (config.get("dp_shard", 1) * tp))
     return max(1, world // (config.get("pp") or 1))
 
 
@@ -233,7 +239,7 @@ def write_summary(run_dir: str | Path) -> Path:
         bytes_line = "Bytes: none cross a link, with one replica.\n\n"
     else:
         ratio = s.total_bytes_uncompressed / s.total_bytes if s.total_bytes else 1.0
-        bytes_line = (f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages) against "
+        bytes_line = (f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages and TP ranks) against "
                       f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce "
                       f"({ratio:.2f}x fewer).\n\n")
     text = (

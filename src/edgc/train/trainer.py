@@ -53,7 +53,7 @@ from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
-from edgc.train.parallel import DataParallel, data_parallel
+from edgc.train.parallel import DataParallel, clip_grads, data_parallel, replica_bytes
 from edgc.train.progress import ProgressDisplay
 from edgc.train.runfolder import RunLock, check_new_run, clean_leftovers
 from edgc.train.summary import write_summary
@@ -91,7 +91,7 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
     cfg = cfg.resolve()
     out = Path(cfg.out)
     if resume:
-        ckpt = load_checkpoint(resume)
+        ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         data = ensure_data(cfg)
         vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
         check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method,
@@ -120,7 +120,7 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 # emulated_device_ms change how the same maths runs.
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
                      "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
-                     "emulated_device_ms", "compile", "edgc.min_unit_mb")
+                     "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb")
 
 
 def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +150,9 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     # (before the checkpoint is read: a live run that has not reached its first checkpoint
     # step has none, and "no checkpoint" would hide that it is running)
     RunLock.check_free(checkpoint.parent)
-    saved = dict(load_checkpoint(checkpoint)["train"])
+    saved = dict(load_checkpoint(checkpoint, trust=given.get("trust_checkpoint") is True)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
+    saved["trust_checkpoint"] = False  # (never kept: each resume that trusts its file says so)
     values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
     if values["edgc"]:  # (compared flat, as the command line gives them; a run of edgc 0.1 upgraded)
         edgc = with_added_fields(values["edgc"]) if "warmup" in values["edgc"] else upgrade_config_v1(values["edgc"])
@@ -224,7 +225,7 @@ def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: 
                                     backend=cfg.backend(workers), log_path=out / "errors.log", on_start=lock.note)
                 break
             except WorkerError as exc:
-                saved = _checkpoint_step(out)
+                saved = _checkpoint_step(out, trust=cfg.trust_checkpoint)
                 if exc.cause == "TrainingDiverged":  # (stopped by --max-nonfinite-steps)
                     write_summary(out)
                     raise RunDiverged(_failure_line(exc, out, saved), out) from None
@@ -267,13 +268,14 @@ def _run_diverged(verdict: str, out: Path) -> RunDiverged:
     return RunDiverged(f"{verdict}; kept: its metrics and {out / 'summary.md'}. Try a lower --lr", out)
 
 
-def _checkpoint_step(run_dir: Path) -> int | None:
-    """The step of the run folder's checkpoint.pt, or None if it has none."""
+def _checkpoint_step(run_dir: Path, trust: bool = False) -> int | None:
+    """The step of the run folder's checkpoint.pt, or None if it has none (or it cannot be
+    read; `trust`: as load_checkpoint's)."""
     path = run_dir / CHECKPOINT_NAME
     if not path.is_file():
         return None
     try:
-        return int(load_checkpoint(path)["step"])
+        return int(load_checkpoint(path, trust=trust)["step"])
     except ValueError:
         return None
 
@@ -347,12 +349,14 @@ def train_distributed(cfg: TrainConfig, resume: str | Path | bool | None = None,
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int, world: int,
-             device: torch.device, *, lockstep: bool = False) -> EvalResult:
+             device: torch.device, *, lockstep: bool = False, count: bool = True) -> EvalResult:
     """Validation loss and its standard error over the fixed evaluation blocks (see
-    edgc.train.evaluation), block i on rank i mod world. Every rank must call it; it
-    returns the same result on all. The model is left in training mode. `lockstep`: a
-    sharded model, whose forward passes are collectives, so every rank runs as many as
-    the busiest one (the extra ones, on its first block, are not counted)."""
+    edgc.train.evaluation), block i on replica i mod `world` (`rank` is this worker's
+    replica). Every worker must call it; it returns the same result on all. The model is
+    left in training mode. `lockstep`: a sharded model, whose forward passes are
+    collectives, so every rank runs as many as the busiest one (the extra ones, on its
+    first block, are not counted). `count` False: run the forward passes but count none
+    (a TP rank other than its replica's first, which computes the same losses)."""
     assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     model.eval()
     moments = LossMoments(device)
@@ -361,7 +365,8 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
     batches = 0
     for batch in eval_batches(val, starts, cfg.block_size, cfg.batch_size, device):
         logits, _ = model(batch.x)  # (B, T, V)
-        moments.add(block_losses(logits, batch.y)[: batch.valid])
+        if count:
+            moments.add(block_losses(logits, batch.y)[: batch.valid])
         batches += 1
     if lockstep:
         most = -(-len(every[0::world]) // cfg.batch_size)  # (rank 0 holds the most blocks)
@@ -440,11 +445,13 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     hook_state = run.state
     precision = Precision(cfg.dtype, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # this replica's batches
+    # this replica's batches: the same on every TP rank of a replica (TP is innermost)
+    replicas, replica = world // run.tp, rank // run.tp
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + replica)
 
     start = 0
     if resume:
-        ckpt = load_checkpoint(resume)
+        ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world), hsdp=run.hsdp)
         start = restore_rank(ckpt, ckpt, model, opt, hook_state, gen, load_weights=run.load_weights)
@@ -454,7 +461,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
 
     writer = MetricsWriter.for_run(cfg, resume_step=start if resume else None) if rank == 0 else None
     display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
-    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
+    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * replicas
     prev = hook_state.stats()
     skipped = 0
     guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None,
@@ -479,8 +486,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                     precision.scaler.scale(loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().double() / cfg.grad_accum
             precision.scaler.unscale_(opt)  # (a no-op without fp16)
-            norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                        cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+            norm = clip_grads(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf, tp=run.tp)
             if torch.isfinite(norm):
                 precision.scaler.step(opt)
             else:  # the hook passed inf/nan through; skip the update on every replica alike
@@ -495,14 +501,15 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             # collective (metrics only): all-reduce SUM of the step's loss, 8 bytes
             dist.all_reduce(loss_sum)
             stats = hook_state.stats()
+            sent, whole = replica_bytes(run, stats.bytes_sent - prev.bytes_sent,
+                                        stats.bytes_uncompressed - prev.bytes_uncompressed)
             record = {
                 "step": step, "kind": "train", "loss": float(loss_sum) / world, "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
                 "comm_time": stats.comm_seconds - prev.comm_seconds,
                 "compress_time": stats.compress_seconds - prev.compress_seconds,
                 "entropy_time": stats.entropy_seconds - prev.entropy_seconds,
-                "bytes_sent": stats.bytes_sent - prev.bytes_sent,
-                "bytes_uncompressed": stats.bytes_uncompressed - prev.bytes_uncompressed,
+                "bytes_sent": sent, "bytes_uncompressed": whole,
                 "rank": stats.step_rank, "entropy": stats.entropy, "phase": stats.step_phase,
                 "grad_norm": float(norm), "skipped": skipped, **window_signals(stats),
             }
@@ -510,7 +517,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             val = None
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 with precision.autocast():
-                    val = evaluate(model, val_tokens, cfg, rank, world, device, lockstep=run.hsdp is not None)
+                    val = evaluate(model, val_tokens, cfg, replica, replicas, device, lockstep=run.hsdp is not None,
+                                   count=run.tp_rank == 0)
             if writer is not None:
                 writer.write(record)
                 if val is not None:
@@ -556,11 +564,6 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
     return {"step": step, "kind": "memory", "state_mb": held / 1e6, "peak_mb": peak / 1e6}
 
 
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor (under FSDP clip_grad_norm_ returns a DTensor)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
 def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta, precision, guard) -> None:
     """Gather every replica's compression state to rank 0, which writes atomically, unless
     the model is not finite (the last good checkpoint is kept)."""
@@ -569,7 +572,7 @@ def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta
     gathered = gather_replicas(mine, dst=0)
     weights, opt_state = run.weights(model, opt)  # (under HSDP a collective: full states on rank 0)
     if rank == 0 and guard.may_save(step, weights):  # (else it says why not)
-        extra = {"hsdp": list(run.hsdp)} if run.hsdp is not None else {}
+        extra = {"hsdp": list(run.hsdp)} if run.hsdp is not None else {}  # ([replicate, shard(, tp)])
         save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),

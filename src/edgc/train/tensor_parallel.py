@@ -1,0 +1,155 @@
+"""Tensor parallelism for edgc's GPT-2, with torch's own DTensor machinery (after torchtitan's
+plan for its Llama models).
+
+The plan, per transformer block, on the 1-D "tp" mesh of T ranks:
+
+    attn.c_attn  ColwiseParallel   q, k and v of nh / T whole heads per rank
+    attn.c_proj  RowwiseParallel   the heads' outputs summed over the TP ranks
+    mlp.c_fc     ColwiseParallel   4C / T hidden units per rank
+    mlp.c_proj   RowwiseParallel
+
+The token and position embeddings, the norms and the head stay whole on every TP rank
+(the head is tied to the token embedding; sharding both on the vocabulary would split one
+Parameter two ways). With `sequence_parallel`, the norms and the residual stream between
+the blocks are split on the sequence instead (torch's SequenceParallel): each rank holds
+T_seq / T positions there, and the all-reduce at each row-parallel output becomes a
+reduce-scatter plus an all-gather before the next column-parallel input.
+
+Why c_attn's rows are reordered. GPT-2 computes q, k and v in one (3C x C) matrix whose
+rows are [q; k; v]. ColwiseParallel gives each rank a contiguous block of 3C / T rows,
+which for T = 2 would be all of q and half of k. `apply_tp` first reorders the rows to
+[q_0; k_0; v_0; q_1; k_1; v_1; ...], where x_t are the rows of rank t's heads, so that each
+rank's block is itself a fused [q; k; v] of its own heads; the attention reads its head
+count off the shapes (edgc.models.gpt2). The same permutation is applied to the optimiser
+state, and undone in checkpoints (`to_file_layout`), so a checkpoint holds the model as
+one process would, whatever T it was trained with.
+
+Gradients. Each TP rank holds the gradient of its own shards; the whole tensors' gradients
+come out the same on every TP rank (the activations between the plan's boundaries are
+replicated, and SequenceParallel's partial norm gradients are summed over TP by FSDP before
+its hooks). edgc.fsdp compresses each rank's shards over its own replicate group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from edgc.models.gpt2 import GPTConfig
+
+__all__ = ["apply_tp", "check_tp", "qkv_order", "to_file_layout", "to_tp_layout"]
+
+C_ATTN = "attn.c_attn."  # (the fused q, k, v projection's parameters end in "attn.c_attn.weight" / ".bias")
+
+
+def check_tp(config: GPTConfig, tp: int) -> None:
+    """Raise ValueError unless `config` splits evenly over `tp` ranks (whole heads, and a
+    width the MLP's hidden layer divides into)."""
+    if tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp}")
+    if config.n_head % tp:
+        raise ValueError(f"tensor parallelism splits whole attention heads: n_head({config.n_head}) % tp({tp}) = "
+                         f"{config.n_head % tp}")
+    if config.dropout:
+        raise ValueError("tensor parallelism needs dropout 0: the TP ranks of a replica would drop different "
+                         "elements of the activations they must agree on")
+
+
+def qkv_order(n_embd: int, tp: int) -> torch.Tensor:
+    """The row order that gives each of `tp` ranks a fused [q; k; v] of its own heads:
+    row i of the reordered matrix is row order[i] of GPT-2's [q; k; v] (3 * n_embd rows)."""
+    part = n_embd // tp
+    return torch.cat([torch.arange(which * n_embd + t * part, which * n_embd + (t + 1) * part)
+                      for t in range(tp) for which in range(3)])
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """Split the blocks of a GPT (or of a pipeline stage holding `h`) over the 1-D `mesh`,
+    in place (see the module doc). Call it on a freshly built model, before fully_shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = mesh.size()
+    blocks: Any = model.h
+    for block in blocks:
+        order = qkv_order(block.attn.n_embd, tp)
+        with torch.no_grad():
+            for p in block.attn.c_attn.parameters():
+                p.copy_(p[order])
+        plan: dict[str, Any] = {
+            "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(),
+        }
+        if sequence_parallel:
+            seq = Shard(1)
+            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                        use_local_output=True)
+            plan.update({
+                "ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": gather, "mlp": gather,
+                "attn.c_proj": RowwiseParallel(output_layouts=seq), "mlp.c_proj": RowwiseParallel(output_layouts=seq),
+            })
+        parallelize_module(block, mesh, plan)
+    if sequence_parallel:
+        # into the blocks: the replicated embedding's output, cut on the sequence (no
+        # communication); out of them: the final norm on the sequence's shards, then
+        # gathered whole for the head
+        first = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                   use_local_output=True)
+        parallelize_module(blocks[0], mesh, first)
+        if getattr(model, "ln_f", None) is not None:
+            parallelize_module(model, mesh, {
+                "ln_f": SequenceParallel(),
+                "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=True),
+            })
+
+
+def _reorder(state: dict[str, Any], tp: int, n_embd: int, inverse: bool) -> dict[str, Any]:
+    """`state` (a model's or an optimiser's full state dict, by parameter name) with the
+    rows of every c_attn tensor reordered for `tp` ranks, or back with `inverse`."""
+    order = qkv_order(n_embd, tp)
+    if inverse:
+        order = torch.argsort(order)
+
+    def fix(name: str, value: Any) -> Any:
+        if C_ATTN in name and isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == 3 * n_embd:
+            return value[order]
+        if isinstance(value, dict):  # (an optimiser's per-parameter state)
+            return {k: fix(name, v) for k, v in value.items()}
+        return value
+
+    return {name: fix(name, value) for name, value in state.items()}
+
+
+def to_file_layout(model_state: dict[str, Any], opt_state: dict[str, Any], tp: int,
+                   n_embd: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full model and optimiser state dicts (by parameter name, as
+    torch.distributed.checkpoint.state_dict gives them) with c_attn's rows back in GPT-2's
+    order; returns new dicts, the inputs are not changed. Empty dicts (the ranks that
+    hold none) pass through."""
+    if tp == 1:
+        return model_state, opt_state
+    opt = dict(opt_state)
+    if "state" in opt:
+        opt["state"] = _reorder(opt["state"], tp, n_embd, inverse=True)
+    return _reorder(model_state, tp, n_embd, inverse=True), opt
+
+
+def to_tp_layout(model_state: dict[str, Any], opt_state: dict[str, Any], tp: int,
+                 n_embd: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The inverse of to_file_layout: a checkpoint's states reordered for `tp` ranks."""
+    if tp == 1:
+        return model_state, opt_state
+    opt = dict(opt_state)
+    if "state" in opt:
+        opt["state"] = _reorder(opt["state"], tp, n_embd, inverse=False)
+    return _reorder(model_state, tp, n_embd, inverse=False), opt

@@ -1,0 +1,78 @@
+"""`edgc train --tp` end to end, as the README writes it: 4 local gloo workers, 2 replicas x
+2 TP ranks, on the small test corpus."""
+
+import math
+
+import pytest
+import torch
+
+from edgc.cli import main
+from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--batch-size", "4", "--block-size", "32", "--eval-tokens", "256", "--no-progress", "--rank", "4",
+          "--preset", "tiny"]
+
+
+def _train(data_dir, out, *extra):
+    assert main(["train", "--data", str(data_dir), "--out", str(out), *COMMON, *extra]) == 0
+    return read_metrics(out / "metrics.jsonl")
+
+
+def _losses(records, kind="train", key="loss"):
+    return [r[key] for r in records if r["kind"] == kind]
+
+
+def test_tp2_gives_tp1_losses_uncompressed_and_saves_the_same_model(tmp_path, data_dir):
+    steps = ["--method", "none", "--steps", "4", "--eval-every", "4"]
+    plain = _train(data_dir, tmp_path / "dp", *steps, "--dp", "2")
+    tp = _train(data_dir, tmp_path / "tp", *steps, "--tp", "2", "--dp", "2")
+    seq = _train(data_dir, tmp_path / "sp", *steps, "--tp", "2", "--dp", "2", "--sequence-parallel")
+    for run in (tp, seq):
+        assert _losses(run) == pytest.approx(_losses(plain), rel=1e-5)
+        assert _losses(run, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
+    # the checkpoint holds the model as one process would (c_attn's rows in GPT-2's order;
+    # a row out of place would differ by ~0.1): equal but for the sums' float order, which
+    # Adam's normalisation turns into at most ~2e-5 after 4 steps of lr 6e-4
+    a = torch.load(tmp_path / "dp" / CHECKPOINT_NAME, weights_only=False)["model"]
+    b = torch.load(tmp_path / "tp" / CHECKPOINT_NAME, weights_only=False)["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-4), name
+    summary = (tmp_path / "tp" / "summary.md").read_text()
+    assert "4 workers as 2 replicas x 1 shard x 2 TP ranks" in summary
+
+
+def test_tp_compresses_and_resumes_exactly(tmp_path, data_dir):
+    common = ["--method", "edgc", "--steps", "12", "--eval-every", "4", "--checkpoint-every", "6",
+              "--tp", "2", "--dp", "2", "--edgc-warmup-steps", "3", "--edgc-window", "2",
+              "--edgc-iteration-sample-rate", "1.0", "--edgc-max-rank", "8", "--edgc-min-rank", "2",
+              "--edgc-noise-exponent", "0.5", "--edgc-warmup", "fixed"]
+    straight = _train(data_dir, tmp_path / "straight", *common)
+    train = [r for r in straight if r["kind"] == "train"]
+    assert [r["rank"] for r in train[:3]] == [0, 0, 0] and all(r["rank"] > 0 for r in train[3:])
+    assert len({r["rank"] for r in train[3:]}) >= 2, "the rank should move during this run"
+    assert all(r["bytes_sent"] < r["bytes_uncompressed"] for r in train[3:])
+    assert all(math.isfinite(r["loss"]) for r in train)
+    part = tmp_path / "part"
+    _train(data_dir, part, *common, "--stop-after", "7")
+    assert main(["train", "--resume", str(part), "--stop-after", "12", "--no-progress"]) == 0
+    key = ("step", "loss", "val_loss", "rank", "bytes_sent")
+    a = [tuple(r.get(k) for k in key) for r in straight]
+    b = [tuple(r.get(k) for k in key) for r in read_metrics(part / "metrics.jsonl")]
+    assert a == b
+    ca = torch.load(tmp_path / "straight" / CHECKPOINT_NAME, weights_only=False)
+    cb = torch.load(part / CHECKPOINT_NAME, weights_only=False)
+    assert ca["hsdp"] == [2, 1, 2]
+    for k, v in ca["model"].items():
+        assert torch.equal(v, cb["model"][k]), k
+
+
+def test_a_resume_on_another_tp_layout_is_refused(tmp_path, data_dir, capsys):
+    run = tmp_path / "run"
+    _train(data_dir, run, "--method", "edgc", "--steps", "4", "--tp", "2", "--dp", "2", "--stop-after", "2")
+    assert main(["train", "--resume", str(run), "--tp", "1", "--dp-replicate", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 1 (the run's: 2)" in err
