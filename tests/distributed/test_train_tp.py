@@ -76,3 +76,40 @@ def test_a_resume_on_another_tp_layout_is_refused(tmp_path, data_dir, capsys):
     assert main(["train", "--resume", str(run), "--tp", "1", "--dp-replicate", "4", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--tp 1 (the run's: 2)" in err
+
+
+def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exactly(tmp_path, data_dir):
+    """8 workers: 2 stages x 2 replicas x 2 TP ranks, the DAC giving each stage one rank
+    agreed across its replicas and TP ranks."""
+    small = ["--steps", "3", "--eval-every", "3"]
+    plain = _train(data_dir, tmp_path / "pp", "--method", "none", "--pp", "2", "--dp", "2", *small)
+    tp = _train(data_dir, tmp_path / "pptp", "--method", "none", "--pp", "2", "--tp", "2", "--dp", "2", *small)
+    assert _losses(tp) == pytest.approx(_losses(plain), rel=1e-5)
+    assert _losses(tp, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
+
+    common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4", "--pp", "2",
+              "--tp", "2", "--dp", "2", "--edgc-warmup-steps", "3", "--edgc-window", "2",
+              "--edgc-iteration-sample-rate", "1.0", "--edgc-max-rank", "8", "--edgc-min-rank", "2",
+              "--edgc-noise-exponent", "0.5",
+              # given timings (T = 1 ms per rank): deterministic DAC decisions, so a resume is exact
+              "--dac-eta", "0.001", "--dac-t-mb", "0.004", "--dac-t-uncompressed", "1.0"]
+    straight = _train(data_dir, tmp_path / "straight", *common)
+    train = [r for r in straight if r["kind"] == "train"]
+    assert all(r["phase"] == "compress" and r["bytes_sent"] < r["bytes_uncompressed"] for r in train[3:])
+    assert all(min(r["stage_rank"]) > 0 for r in train[3:]), [r["stage_rank"] for r in train]
+    part = tmp_path / "part"
+    _train(data_dir, part, *common, "--stop-after", "5")
+    assert main(["train", "--resume", str(part), "--stop-after", "8", "--no-progress"]) == 0
+    key = ("step", "loss", "val_loss", "rank", "stage_rank", "bytes_sent")
+    a = [tuple(str(r.get(k)) for k in key) for r in straight]
+    b = [tuple(str(r.get(k)) for k in key) for r in read_metrics(part / "metrics.jsonl")]
+    assert a == b
+    ckpt = torch.load(tmp_path / "straight" / CHECKPOINT_NAME, weights_only=False)
+    assert ckpt["layout"] == [2, 2, 2]
+    # one rank per stage on every replica and TP rank (global rank = (stage * 2 + replica) * 2 + tp)
+    ranks = [r["comm"]["applied_rank"] for r in ckpt["replicas"]]
+    assert ranks[:4] == [ranks[0]] * 4 and ranks[4:] == [ranks[4]] * 4 and ranks[0] > 0, ranks
+    resumed = torch.load(part / CHECKPOINT_NAME, weights_only=False)
+    for p, stage in enumerate(ckpt["stages"]):
+        for k, v in stage["model"].items():
+            assert torch.equal(v, resumed["stages"][p]["model"][k]), (p, k)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["FlatBucket", "sync_with_hook"]
 
@@ -50,7 +51,8 @@ def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Calla
     """Average `params`' .grad over the hook's process group by calling `hook(state, bucket)`
     on DDP-like buckets (reverse parameter order, about `cap_bytes` each, one dtype per
     bucket as in DDP), then copy the result back into .grad. Every parameter must have a
-    gradient."""
+    gradient. A DTensor parameter (tensor parallelism) takes part with its local shard: the
+    bucket lists a stand-in of the shard's shape (`_local`), the same object every step."""
     params = [p for p in params if p.requires_grad]
     missing = [i for i, p in enumerate(params) if p.grad is None]
     if missing:
@@ -58,25 +60,40 @@ def sync_with_hook(params: Sequence[torch.nn.Parameter], state: Any, hook: Calla
     groups: list[list[torch.Tensor]] = [[]]
     size = 0
     for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
+        nbytes = _local(p).numel() * p.element_size()
         if groups[-1] and (size + nbytes > cap_bytes or p.dtype != groups[-1][0].dtype):
             groups.append([])
             size = 0
         groups[-1].append(p)
         size += nbytes
     buckets = [
-        FlatBucket(i, torch.cat([_grad(p).reshape(-1) for p in g]), g, i == len(groups) - 1)
+        FlatBucket(i, torch.cat([_grad(p).reshape(-1) for p in g]), [_local(p) for p in g], i == len(groups) - 1)
         for i, g in enumerate(groups)
     ]
     futures = [hook(state, b) for b in buckets]
-    for bucket, fut in zip(buckets, futures, strict=True):
+    for group, bucket, fut in zip(groups, buckets, futures, strict=True):
         result = fut.wait()
         averaged = FlatBucket(0, result, bucket.parameters(), True).gradients()
-        for param, grad in zip(bucket.parameters(), averaged, strict=True):
+        for param, grad in zip(group, averaged, strict=True):
             _grad(param).copy_(grad)
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """`param`, or for a DTensor parameter a stand-in holding its local shard's shape and
+    dtype (on the meta device: no memory), kept on the parameter so that a hook that keys
+    parameters by identity sees the same one every step."""
+    if not isinstance(param, DTensor):
+        return param
+    stand_in = getattr(param, "_edgc_local", None)
+    if stand_in is None:
+        stand_in = torch.empty(param.to_local().shape, dtype=param.dtype, device="meta")
+        param._edgc_local = stand_in  # type: ignore[attr-defined]
+    return stand_in
+
+
 def _grad(param: torch.Tensor) -> torch.Tensor:
-    """param.grad, which sync_with_hook has checked every parameter has."""
-    assert param.grad is not None
-    return param.grad
+    """param.grad, which sync_with_hook has checked every parameter has (its local shard
+    for a DTensor parameter)."""
+    grad = param.grad
+    assert grad is not None
+    return grad.to_local() if isinstance(grad, DTensor) else grad

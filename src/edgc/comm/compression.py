@@ -64,6 +64,7 @@ class CompressionState:
         self.slot_dtypes: list[torch.dtype] = []  # (this process's; from its first step)
         self._slot_of: dict[Hashable, int] = {}  # an entry's key (DDP: id(param)) -> slot
         self.uncounted: set[int] = set()  # slots left out of the signals: another process counts them (TP copies)
+        self.uncounted_keys: frozenset[Hashable] = frozenset()  # the keys of such tensors, for slots still to come
         self.units: list[tuple[int, ...]] | None = None  # the plan; None: none yet
         self._unit_plans: dict[tuple[bool, tuple[int, ...]], UnitPlan] = {}
         self._sample_at: tuple[float, list[int], torch.dtype] | None = None
@@ -86,6 +87,8 @@ class CompressionState:
         if key not in self._slot_of:
             self._slot_of[key] = len(self.slot_shapes)
             self.slot_shapes.append(tuple(shape))
+            if key in self.uncounted_keys:
+                self.uncounted.add(self._slot_of[key])
         return self._slot_of[key]
 
     def declare(self, layout: Sequence[Sequence[Entry]], dtypes: Sequence[torch.dtype],
@@ -101,11 +104,11 @@ class CompressionState:
             raise RuntimeError("this EDGC state's tensors were declared or seen already")
         if len(dtypes) != len(layout):
             raise ValueError(f"declare: {len(layout)} buffers but {len(dtypes)} dtypes")
+        self.uncounted_keys = frozenset(uncounted)
         for entries, dtype in zip(layout, dtypes, strict=True):
             for key, shape in entries:
                 self._new_slot(key, shape)
                 self.slot_dtypes.append(dtype)
-        self.uncounted = {self._slot_of[key] for key in uncounted}
         self.check_expected_shapes()
 
     def check_expected_shapes(self) -> None:

@@ -40,9 +40,15 @@ class EDGCState:
     """
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, config: EDGCConfig | None = None, *, alignment: Any = None
+        self, process_group: dist.ProcessGroup | None = None, config: EDGCConfig | None = None, *,
+        alignment: Any = None, control_group: dist.ProcessGroup | None = None, count_once: Any = (),
     ) -> None:
-        self.sync = GradientSync(process_group, config, alignment=alignment)
+        """`control_group`: the group that agrees the rank and phase, when larger than
+        `process_group` (a pipeline stage's replicas x TP ranks); `count_once`: parameters
+        this process holds as a copy that another one counts in the signals (a tensor TP
+        leaves whole, on every TP rank but the first)."""
+        self.sync = GradientSync(process_group, config, alignment=alignment, control_group=control_group)
+        self.sync.compression.uncounted_keys = frozenset(id(p) for p in count_once)
 
     # ------------------------------------------------------------------ what a user reads and sets
 

@@ -21,6 +21,7 @@ are done, so the exchange never waits on a stage that is still in its backward p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -62,13 +64,17 @@ class StageTimes:
 
 class EDGCPipelineStage(PipelineStage):
     """A PipelineStage over a DDP-wrapped stage module, with a communication hook that runs
-    after the stage's last send (see the module doc) and timings for DAC and the metrics."""
+    after the stage's last send (see the module doc) and timings for DAC and the metrics.
 
-    submod: DDP  # (PipelineStage's stage module, which __init__ requires to be a DDP)
+    A stage split with tensor parallelism (DTensor parameters, which DDP does not take) is
+    given as the plain module: its sync runs after the sends in the same way, each TP
+    rank's shards through the hook (edgc.comm.buckets.sync_with_hook)."""
+
+    submod: nn.Module  # (PipelineStage's stage module: a DDP, or a plain module under TP)
 
     def __init__(
         self,
-        submodule: DDP,
+        submodule: nn.Module,
         stage_index: int,
         num_stages: int,
         device: torch.device,
@@ -79,8 +85,10 @@ class EDGCPipelineStage(PipelineStage):
         input_args: Any = None,
         output_args: Any = None,
     ) -> None:
-        if not isinstance(submodule, DDP):
-            raise TypeError(f"EDGCPipelineStage wraps a DistributedDataParallel module, got {type(submodule).__name__}")
+        plain = not isinstance(submodule, DDP)
+        if plain and not sync_after_send:
+            raise ValueError("a stage module without DDP (tensor parallelism) syncs after its sends only "
+                             "(sync_after_send=True)")
         # example input and output tensors of one micro-batch (torch's "static" mode) spare
         # the shape-inference forward and backward passes, which would arm DDP's reducer
         # and run the activation compressor on throw-away gradients
@@ -88,10 +96,12 @@ class EDGCPipelineStage(PipelineStage):
                          output_args=output_args, group=group)
         self.sync_after_send = sync_after_send
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        inner: nn.Module = submodule.module if isinstance(submodule, DDP) else submodule
+        self._params = list(inner.parameters())
         self.times = StageTimes()
         self._hook: tuple[Any, Any] | None = None
         self.alignment: StageAlignment | None = None
-        if sync_after_send:  # DDP's reducer must stay silent; a call would be a bug
+        if sync_after_send and isinstance(submodule, DDP):  # DDP's reducer must stay silent; a call would be a bug
             submodule.register_comm_hook(None, _reducer_must_not_sync)
 
     def no_sync(self) -> Any:
@@ -102,9 +112,10 @@ class EDGCPipelineStage(PipelineStage):
         pipelining runs a shape-inference forward of the DDP module outside `no_sync` on
         the first step, which armed the reducer for an extra, uncompressed all-reduce.
         Inside this context only the backward that torch arms on purpose (the last one,
-        when syncing in the backward) reaches the reducer.
+        when syncing in the backward) reaches the reducer. A plain stage module has no
+        reducer: nothing to do.
         """
-        return self.submod.no_sync()
+        return self.submod.no_sync() if isinstance(self.submod, DDP) else contextlib.nullcontext()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Use `hook(state, bucket)` for this stage's DP gradient sync (and the state's
@@ -113,6 +124,7 @@ class EDGCPipelineStage(PipelineStage):
         if getattr(state, "alignment", None) is not None:
             self.alignment = state.alignment
         if not self.sync_after_send:
+            assert isinstance(self.submod, DDP)  # (checked in __init__)
             self.submod.register_comm_hook(state, hook)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -144,7 +156,7 @@ class EDGCPipelineStage(PipelineStage):
             state, hook = self._hook
             self.times.sync_start = time.time()
             lap = start_lap(self.device)
-            sync_with_hook(list(self.submod.module.parameters()), state, hook, self.bucket_cap_bytes)
+            sync_with_hook(self._params, state, hook, self.bucket_cap_bytes)
             self.times.sync.add(lap.stop())
             self.times.sync_end = time.time()
         if self.has_backward and self._hook is not None and hasattr(self._hook[0], "align"):
@@ -289,8 +301,9 @@ class StageAlignment:
             local = stage_rank(p, model, r0, t0, t_mb, r_max, t_unc, multiple=cfg.multiple,
                                cap_at_r_max=cfg.cap_at_r_max)
         agreed_t = torch.tensor([float(local if local is not None else r_max + 1)], dtype=torch.float64)
-        # collective: all-reduce MAX of 1 float64 over the DP group (replicas take the maximum)
-        collectives.all_reduce(agreed_t, op=dist.ReduceOp.MAX, device_copy=collectives.device)
+        # collective: all-reduce MAX of 1 float64 over the control group (the stage's replicas,
+        # and with tensor parallelism their TP ranks: all take the maximum)
+        collectives.all_reduce(agreed_t, op=dist.ReduceOp.MAX, device_copy=collectives.device, control=True)
         agreed_v = int(agreed_t[0])
         agreed = None if agreed_v > r_max else agreed_v
         self.decisions.append({

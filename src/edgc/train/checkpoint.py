@@ -95,7 +95,7 @@ def load_checkpoint(path: str | Path, *, trust: bool = False) -> dict[str, Any]:
 
 
 def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,
-                     layout: tuple[int, int] | None = None, hsdp: tuple[int, ...] | None = None) -> None:
+                     layout: tuple[int, ...] | None = None, hsdp: tuple[int, ...] | None = None) -> None:
     """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs.
 
     `layout` is (pp, dp); None means no pipeline, (1, world_size). `hsdp` is (replicate,
@@ -108,8 +108,9 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
     saved_layout = tuple(ckpt.get("layout", (1, ckpt["world_size"])))
     job_layout = tuple(layout) if layout is not None else (1, world_size)
     if saved_layout != job_layout:
-        problems.append(f"layout: checkpoint pp={saved_layout[0]} x dp={saved_layout[1]}, "
-                        f"this job pp={job_layout[0]} x dp={job_layout[1]}")
+        def say_layout(x: tuple[int, ...]) -> str:
+            return f"pp={x[0]} x dp={x[1]}" + (f" x tp={x[2]}" if len(x) > 2 else "")
+        problems.append(f"layout: checkpoint {say_layout(saved_layout)}, this job {say_layout(job_layout)}")
     saved_hsdp = tuple(ckpt["hsdp"]) if ckpt.get("hsdp") is not None else None
     if saved_hsdp != (tuple(hsdp) if hsdp is not None else None):
         def say(x: tuple[int, ...] | None) -> str:

@@ -362,9 +362,11 @@ class TrainConfig:
             bad("activation_rank", "must be an integer >= 0")
         if self.activation_rank and self.pp == 1:
             bad("activation_rank", "compresses traffic between pipeline stages: it needs pp > 1")
-        if self.nproc is not None and self.dp is not None and not self.hsdp and self.pp * self.dp != self.nproc:
-            bad("nproc", f"pp({self.pp}) * dp({self.dp}) != world({self.nproc}): the layout must use every "
-                         f"worker exactly once (without --nproc, edgc train starts pp * dp = {self.pp * self.dp})")
+        world = self.pp * (self.dp or 0) * self.tp
+        if self.nproc is not None and self.dp is not None and not self.hsdp and world != self.nproc:
+            tp, times = (f" * tp({self.tp})", " * tp") if self.tp > 1 else ("", "")
+            bad("nproc", f"pp({self.pp}) * dp({self.dp}){tp} != world({self.nproc}): the layout must use every "
+                         f"worker exactly once (without --nproc, edgc train starts pp * dp{times} = {world})")
         if self.compile and not self.hsdp and self.bucket_cap_mb < 1:
             bad("bucket_cap_mb", "must be at least 1 with --compile: torch.compile splits a DDP model's graph at "
                                  "buckets of this size and refuses any smaller than 1 MB")
@@ -413,8 +415,8 @@ class TrainConfig:
             check_tp(PRESETS[self.preset], self.tp)
         except ValueError as exc:
             bad("tp", f"{exc} (preset {self.preset})")
-        if self.pp > 1:
-            bad("tp", "tensor parallelism does not combine with pipelines (--pp) yet")
+        if self.pp > 1 and self.sequence_parallel:
+            bad("sequence_parallel", "is not supported with pipelines (--pp) yet")
         if self.compile:
             bad("compile", "is not supported with tensor parallelism (--tp) yet")
         if self.method not in ("none", "powersgd", "edgc"):
@@ -455,8 +457,8 @@ class TrainConfig:
         if self.hsdp:
             return self.dp_shard * (self.dp_replicate or self.dp or 2) * self.tp
         if self.dp is not None:
-            return self.pp * self.dp
-        return self.pp if self.pp > 1 else 2
+            return self.pp * self.dp * self.tp
+        return self.pp * self.tp if self.pp > 1 else 2
 
     @property
     def hsdp(self) -> bool:
@@ -482,10 +484,17 @@ class TrainConfig:
         if self.hsdp:
             self.hsdp_layout(world)
             return
-        dp = self.dp if self.dp is not None else world // self.pp
-        if self.pp * dp != world or dp < 1:
-            raise ValueError(f"pp({self.pp}) * dp({dp}) != world({world}): "
+        dp = self.dp if self.dp is not None else world // (self.pp * self.tp)
+        if self.pp * dp * self.tp != world or dp < 1:
+            tp = f" * tp({self.tp})" if self.tp > 1 else ""
+            raise ValueError(f"pp({self.pp}) * dp({dp}){tp} != world({world}): "
                              "the layout must use every worker exactly once")
+
+    def pipeline_layout(self, world: int) -> tuple[int, ...]:
+        """(pp, dp) of a run on `world` workers, or (pp, dp, tp) with tensor parallelism
+        (what its checkpoints record)."""
+        dp = world // (self.pp * self.tp)
+        return (self.pp, dp, self.tp) if self.tp > 1 else (self.pp, dp)
 
     def dac_config(self) -> DACConfig:
         """The DACConfig of this run (defaults plus `dac` overrides); raises ValueError by name."""

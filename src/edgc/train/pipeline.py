@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc.atomic import atomic_write
@@ -59,6 +60,7 @@ from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_ba
 from edgc.train.launch import report_step
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
+from edgc.train.tensor_parallel import apply_tp, to_file_layout, to_tp_layout
 
 __all__ = ["GPTStage", "split_gpt", "stage_blocks", "train_pipeline_worker"]
 
@@ -133,27 +135,53 @@ def split_gpt(model: GPT, stages: int, activation_rank: int = 0, seed: int = 0) 
 
 
 class _Layout:
-    """This rank's place in the (pp, dp) mesh and its process groups."""
+    """This rank's place in the (pp, dp) mesh, or (pp, dp, tp) with tensor parallelism (TP
+    innermost), and its process groups."""
 
     def __init__(self, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None:
         cfg.check_layout(world)
-        self.pp = cfg.pp
-        self.dp = world // cfg.pp
-        self.stage, self.replica = divmod(rank, self.dp)
-        mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        self.pp, self.tp = cfg.pp, cfg.tp
+        self.dp = world // (cfg.pp * cfg.tp)
+        self.stage, rest = divmod(rank, self.dp * self.tp)
+        self.replica, self.tp_rank = divmod(rest, self.tp)
+        self.tp_mesh: Any = None
+        self.tp_group: Any = None
+        self.control_group: Any = None  # the stage's replicas x TP ranks (None: the DP group)
+        if self.tp == 1:
+            mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        else:
+            mesh = init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+            self.tp_mesh, self.tp_group = mesh["tp"], mesh.get_group("tp")
+            size = self.dp * self.tp  # (every rank makes every stage's group, in order)
+            self.control_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(p * size, (p + 1) * size)) for p in range(self.pp)])
         self.pp_group = mesh.get_group("pp")
         self.dp_group = mesh.get_group("dp")
-        # the tied embedding/head: first and last stage of each replica (every rank makes
-        # every group, in the same order, as new_group requires)
+        # the tied embedding/head: first and last stage of each replica and TP rank (every
+        # rank makes every group, in the same order, as new_group requires)
         self.tied_group = None
         if self.pp == 2:
             self.tied_group = self.pp_group
         else:
-            for d in range(self.dp):
-                g = dist.new_group([d, (self.pp - 1) * self.dp + d])
-                if d == self.replica and self.stage in (0, self.pp - 1):
+            for d in range(self.dp * self.tp):
+                g = dist.new_group([d, (self.pp - 1) * self.dp * self.tp + d])
+                if d == self.replica * self.tp + self.tp_rank and self.stage in (0, self.pp - 1):
                     self.tied_group = g
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(pp, dp), or (pp, dp, tp) with tensor parallelism (what checkpoints record)."""
+        return (self.pp, self.dp, self.tp) if self.tp > 1 else (self.pp, self.dp)
+
+
+def _split(p: torch.Tensor) -> bool:
+    """Whether tensor parallelism splits `p` (else every TP rank holds it whole)."""
+    return isinstance(p, DTensor) and any(not placement.is_replicate() for placement in p.placements)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _attach(cfg: TrainConfig, layout: _Layout, stage: EDGCPipelineStage) -> Any:
@@ -163,7 +191,11 @@ def _attach(cfg: TrainConfig, layout: _Layout, stage: EDGCPipelineStage) -> Any:
         stage.register_comm_hook(state, allreduce_hook)
         return state
     alignment = StageAlignment(layout.stage, layout.pp, layout.pp_group, cfg.dac_config())
-    state = EDGCState(layout.dp_group, EDGCConfig(**cfg.edgc), alignment=alignment)
+    # (with TP: one rank agreed over the stage's replicas x TP ranks, and the tensors every
+    # TP rank holds whole counted in the signals by the first only)
+    copies = [p for p in stage.submod.parameters() if not _split(p)] if layout.tp_rank > 0 else []
+    state = EDGCState(layout.dp_group, EDGCConfig(**cfg.edgc), alignment=alignment,
+                      control_group=layout.control_group, count_once=copies)
     stage.register_comm_hook(state, edgc_hook)
     return state
 
@@ -191,13 +223,17 @@ def _run(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, x: torch.Tens
 
 
 def _clip(stage_mod: GPTStage, layout: _Layout, max_norm: float) -> torch.Tensor:
-    """Clip the whole pipeline's gradient norm (the tied matrix counted once, as unsplit)."""
-    grads = [(p, p.grad) for p in stage_mod.parameters() if p.grad is not None]
+    """Clip the whole pipeline's gradient norm (the tied matrix counted once, as unsplit;
+    with TP each shard once, and a tensor every TP rank holds whole once)."""
+    grads = [(p, _local(p.grad)) for p in stage_mod.parameters() if p.grad is not None]
     skip = stage_mod.lm_head.weight if layout.last and layout.pp > 1 else None
     sq = torch.zeros(1, dtype=torch.float64, device=grads[0][1].device)
     for p, g in grads:
-        if p is not skip:
+        if p is not skip and (layout.tp_rank == 0 or _split(p)):
             sq += g.detach().double().pow(2).sum()
+    if layout.tp_group is not None:
+        # collective: all-reduce SUM of 1 float64 over the TP group
+        dist.all_reduce(sq, group=layout.tp_group)
     # collective: all-reduce SUM of 1 float64 over the pipeline group
     dist.all_reduce(sq, group=layout.pp_group)
     norm = sq.sqrt().float()
@@ -227,14 +263,15 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
                 schedule.eval(batch.x)
             elif layout.last:
                 logits = schedule.eval(target=batch.y, losses=[])  # (B, T, V), the micro-batches merged
-                moments.add(block_losses(logits, batch.y)[: batch.valid])
+                if layout.tp_rank == 0:  # (the other TP ranks compute the same losses)
+                    moments.add(block_losses(logits, batch.y)[: batch.valid])
             else:
                 schedule.eval()
     return moments.result(cfg.block_size)
 
 
 # Per-rank values gathered to rank 0 each step for the per-stage metrics.
-_FIELDS = ("stage", "replica", "rank", "comm_time", "bytes_sent", "bytes_uncompressed", "sync_start", "sync_end",
+_FIELDS = ("stage", "replica", "tp", "rank", "comm_time", "bytes_sent", "bytes_uncompressed", "sync_start", "sync_end",
            "step_start", "step_end", "forward", "backward", "sync", "entropy", "compress_time", "entropy_time",
            "compress", "loss", "p2p_bytes", "critical_rho", "window_norm", "lr_drop", "noise_scale")
 
@@ -261,10 +298,14 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     if cfg.compile:
         compile_blocks(stage_mod.h)
     emulate_device_time(stage_mod.h, cfg.emulated_device_ms)
-    ddp = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
-              device_ids=[device.index] if use_cuda else None)
+    submodule: nn.Module = stage_mod
+    if layout.tp_mesh is not None:  # (DDP takes no DTensor parameters: the stage syncs itself after its sends)
+        apply_tp(stage_mod, layout.tp_mesh)
+    else:
+        submodule = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
+                        device_ids=[device.index] if use_cuda else None)
     inputs, outputs = _stage_examples(cfg, layout, stage_mod.n_embd, meta["vocab_size"], device)
-    stage = EDGCPipelineStage(ddp, layout.stage, layout.pp, device, layout.pp_group,
+    stage = EDGCPipelineStage(submodule, layout.stage, layout.pp, device, layout.pp_group,
                               sync_after_send=cfg.sync_after_send, bucket_cap_mb=cfg.bucket_cap_mb,
                               input_args=inputs, output_args=outputs)
     hook_state = _attach(cfg, layout, stage)
@@ -280,8 +321,9 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     if resume:
         ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
-                         layout=(layout.pp, layout.dp))
-        start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen)
+                         layout=layout.shape)
+        start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen,
+                             load_weights=_load_tp if layout.tp > 1 else None)
         if stage_mod.compressor is not None:
             stage_mod.compressor.load_state_dict(replica_entry(ckpt["replicas"])["activation"])
         del ckpt
@@ -332,7 +374,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             stats = hook_state.stats()
             times = stage.times
             mine = torch.tensor([
-                layout.stage, layout.replica, stats.step_rank,
+                layout.stage, layout.replica, layout.tp_rank, stats.step_rank,
                 stats.comm_seconds - prev.comm_seconds, stats.bytes_sent - prev.bytes_sent,
                 stats.bytes_uncompressed - prev.bytes_uncompressed, times.sync_start, times.sync_end,
                 t_wall, t_wall + step_time, float(times.forward), float(times.backward), float(times.sync),
@@ -364,7 +406,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         if writer is not None:
             writer.close()
     alignment = getattr(hook_state, "alignment", None)
-    return {"param_digest": tensors_digest(stage_mod.state_dict().values()), "skipped": skipped,
+    return {"param_digest": tensors_digest(_local(v) for v in stage_mod.state_dict().values()), "skipped": skipped,
             "stats": hook_state.stats(), "stage": layout.stage, "replica": layout.replica,
             "decisions": alignment.decisions if alignment is not None else [],
             "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
@@ -373,7 +415,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
 def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout, tokens_per_step: int,
             grad_norm: float, skipped: int) -> dict[str, Any]:
     """The step's metrics record: the usual fields (stage 0's compressor, one replica's
-    bytes over all its stages) plus per-stage lists, index = stage."""
+    bytes over all its stages and TP ranks) plus per-stage lists, index = stage."""
     by_stage = [[r for r in rows if int(r["stage"]) == p] for p in range(layout.pp)]
     t_begin = min(r["step_start"] for r in rows)
     step_time = max(r["step_end"] for r in rows) - t_begin
@@ -381,6 +423,8 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         return max(r[key] for r in by_stage[p])
     stage_step = [worst(p, "step_end") - min(r["step_start"] for r in by_stage[p]) for p in range(layout.pp)]
     replica0 = [next(r for r in by_stage[p] if int(r["replica"]) == 0) for p in range(layout.pp)]
+    sent = [sum(int(r["bytes_sent"]) for r in by_stage[p] if int(r["replica"]) == 0) for p in range(layout.pp)]
+    whole = sum(int(r["bytes_uncompressed"]) for r in rows if int(r["replica"]) == 0)
     s0 = replica0[0]
     loss = sum(r["loss"] for r in by_stage[-1]) / len(by_stage[-1])
     return {
@@ -388,8 +432,7 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
         "comm_time": max(worst(p, "comm_time") for p in range(layout.pp)),
         "compress_time": s0["compress_time"], "entropy_time": s0["entropy_time"],
-        "bytes_sent": int(sum(r["bytes_sent"] for r in replica0)),
-        "bytes_uncompressed": int(sum(r["bytes_uncompressed"] for r in replica0)),
+        "bytes_sent": sum(sent), "bytes_uncompressed": whole,
         "rank": int(s0["rank"]), "entropy": s0["entropy"], "phase": "compress" if s0["compress"] else "warmup",
         # stage 0's window signals (its rank drives the DAC)
         "critical_rho": s0["critical_rho"], "window_norm": s0["window_norm"], "lr_drop": bool(s0["lr_drop"]),
@@ -397,7 +440,7 @@ def _record(step: int, lr: float, rows: list[dict[str, float]], layout: _Layout,
         "grad_norm": grad_norm, "skipped": skipped,
         "stage_rank": [int(r["rank"]) for r in replica0],
         "stage_comm_time": [worst(p, "comm_time") for p in range(layout.pp)],
-        "stage_bytes_sent": [int(r["bytes_sent"]) for r in replica0],
+        "stage_bytes_sent": sent,
         # activations forward and activation gradients backward, to the neighbour stages
         "stage_p2p_bytes": [int(r["p2p_bytes"]) for r in replica0],
         # seconds from the step's start (earliest rank) to the end of each stage's DP sync
@@ -457,21 +500,69 @@ def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Lay
                             "torch_rng": torch.get_rng_state()}
     if stage_mod.compressor is not None:
         mine["activation"] = stage_mod.compressor.state_dict()
-    if layout.replica == 0:
-        mine["stage"] = {"model": {k: v.cpu() for k, v in stage_mod.state_dict().items()},
-                         "optimizer": opt.state_dict()}
+    if layout.replica == 0:  # (with TP, a collective over the TP group: the whole tensors)
+        mine["stage"] = _stage_weights(stage_mod, opt, layout) if layout.tp > 1 else {
+            "model": {k: v.cpu() for k, v in stage_mod.state_dict().items()}, "optimizer": opt.state_dict()}
     gathered = gather_replicas(mine, dst=0)  # (every rank's state to rank 0: edgc.comm.replicas)
     if rank == 0:
         assert gathered is not None
-        stages = [gathered[p * layout.dp]["stage"] for p in range(layout.pp)]
+        stages = [gathered[p * layout.dp * layout.tp]["stage"] for p in range(layout.pp)]
         replicas = [{k: v for k, v in g.items() if k != "stage"} for g in gathered]
         _write_decisions(Path(cfg.out) / "dac.jsonl", replicas)
         if guard.may_save(step, [s["model"] for s in stages]):  # (else it says why not)
             save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
-                "step": step, "world_size": world, "layout": [layout.pp, layout.dp], "train": cfg.to_dict(),
+                "step": step, "world_size": world, "layout": list(layout.shape), "train": cfg.to_dict(),
                 "model_config": model_config, "stages": stages, "replicas": replicas,
             }, keep=cfg.keep_checkpoints)
     dist.barrier()
+
+
+def _stage_weights(stage_mod: GPTStage, opt: torch.optim.Optimizer, layout: _Layout) -> dict[str, Any]:
+    """A TP stage's {"model", "optimizer"} as one process would hold them: whole tensors on
+    the CPU (a collective over the TP group per split tensor), c_attn's rows in GPT-2's
+    order (edgc.train.tensor_parallel)."""
+    def whole(t: Any) -> Any:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).cpu() if isinstance(t, torch.Tensor) else t
+
+    model = {k: whole(v) for k, v in stage_mod.state_dict().items()}
+    saved = opt.state_dict()
+    names = _opt_names(stage_mod, opt)
+    by_name = {names[i]: {k: whole(v) for k, v in s.items()} for i, s in saved["state"].items()}
+    model, by_name_opt = to_file_layout(model, {"state": by_name}, layout.tp, stage_mod.n_embd)
+    saved["state"] = {i: by_name_opt["state"][names[i]] for i in saved["state"]}
+    return {"model": model, "optimizer": saved}
+
+
+def _load_tp(stage_mod: nn.Module, opt: torch.optim.Optimizer, weights: dict[str, Any]) -> None:
+    """Load what _stage_weights saved into a TP stage: each rank cuts its own shards from
+    the whole tensors it read (no communication)."""
+    assert isinstance(stage_mod, GPTStage)
+    saved = dict(weights["optimizer"])
+    names = _opt_names(stage_mod, opt)
+    by_name = {names[int(i)]: s for i, s in saved["state"].items()}
+    tp = next(p.device_mesh.size() for p in stage_mod.parameters() if isinstance(p, DTensor))
+    model, by_name_opt = to_tp_layout(weights["model"], {"state": by_name}, tp, stage_mod.n_embd)
+    params = dict(stage_mod.named_parameters())
+
+    def cut(name: str, value: Any) -> Any:
+        p = params.get(name)
+        if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.shape == p.shape):
+            return value
+        return distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+
+    with torch.no_grad():
+        for name, value in model.items():
+            target = stage_mod.get_parameter(name) if name in params else stage_mod.get_buffer(name)
+            _local(target).copy_(_local(cut(name, value)))
+    saved["state"] = {i: {k: cut(names[int(i)], v) for k, v in by_name_opt["state"][names[int(i)]].items()}
+                      for i in saved["state"]}
+    opt.load_state_dict(saved)
+
+
+def _opt_names(stage_mod: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """The parameter names of the optimiser's state indices (its groups' order)."""
+    names = {id(p): n for n, p in stage_mod.named_parameters()}
+    return [names[id(p)] for group in opt.param_groups for p in group["params"]]
 
 
 def _write_decisions(path: Path, replicas: list[dict[str, Any]]) -> None:

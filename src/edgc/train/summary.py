@@ -184,30 +184,30 @@ def stage_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
 
 def _layout(config: dict[str, Any]) -> str:
     world = config.get("world_size")
-    pp = config.get("pp", 1)
+    pp, tp = config.get("pp", 1), config.get("tp", 1)
+    by_tp = f" x {tp} TP ranks" if tp > 1 else ""
     if pp > 1 and world:
-        return (f"{world} workers as {pp} pipeline stages x {world // pp} replicas "
+        return (f"{world} workers as {pp} pipeline stages x {_replicas(config)} replicas{by_tp} "
                 f"({config.get('schedule')}, {config.get('microbatches')} micro-batches)")
-    tp = config.get("tp", 1)
     if tp > 1 and world:
         shard = config.get("dp_shard", 1)
-        return (f"{world} workers as {_replicas(config)} replicas x {shard} shard{'s' if shard > 1 else ''} x "
-                f"{tp} TP ranks" + (" (sequence parallel)" if config.get("sequence_parallel") else ""))
+        return (f"{world} workers as {_replicas(config)} replicas x {shard} shard{'s' if shard > 1 else ''}{by_tp}"
+                + (" (sequence parallel)" if config.get("sequence_parallel") else ""))
     return f"{world} worker" + ("" if world == 1 else "s")
 
 
 def _replicas(config: dict[str, Any]) -> int | None:
     """How many replicas a run's gradient was averaged over: the data-parallel ones (under
-    HSDP the nodes, dp_replicate; with tensor parallelism world // (dp_shard * tp); with
-    pipelining world // pp); None where the config does not say."""
+    HSDP the nodes, dp_replicate; with pipelining world // pp; with tensor parallelism
+    divided by tp as well); None where the config does not say."""
     world = config.get("world_size")
     if not world:
         return None
-    tp = config.get("tp", 1)
+    pp, tp = config.get("pp") or 1, config.get("tp", 1)
     # (FSDP2 or HSDP: TrainConfig.hsdp, read off the saved dict)
-    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None or tp > 1:
+    if config.get("dp_shard", 1) != 1 or config.get("dp_replicate") is not None or (tp > 1 and pp == 1):
         return config.get("dp_replicate") or max(1, world // (config.get("dp_shard", 1) * tp))
-    return max(1, world // (config.get("pp") or 1))
+    return max(1, world // (pp * tp))
 
 
 def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
