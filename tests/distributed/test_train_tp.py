@@ -6,7 +6,10 @@ import math
 import pytest
 import torch
 
+from edgc.bench.simulate import SimOptions, compressed_matrices, stage_gradients
 from edgc.cli import main
+from edgc.config import EDGCConfig
+from edgc.models import build_model
 from edgc.train.checkpoint import CHECKPOINT_NAME
 from edgc.train.metrics import read_metrics
 
@@ -113,3 +116,31 @@ def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exac
     for p, stage in enumerate(ckpt["stages"]):
         for k, v in stage["model"].items():
             assert torch.equal(v, resumed["stages"][p]["model"][k]), (p, k)
+
+
+def test_the_simulator_counts_the_bytes_the_library_sends_per_tp_shard(tmp_path, data_dir):
+    """`edgc simulate`'s layout of a TP shard (edgc.bench.simulate.stage_gradients) is what
+    `edgc train --tp` syncs: every step's bytes, per replica (its TP ranks together) and
+    per stage, equal the simulator's count (static rank 4, the gradient's dtype on the
+    wire: 4 bytes an element)."""
+    args = ["--method", "powersgd", "--steps", "4", "--edgc-warmup-steps", "2", "--edgc-warmup", "fixed",
+            "--edgc-wire", "native"]
+    model = build_model("tiny", vocab_size=512, block_size=32, device="meta")
+    opts = SimOptions(rank_max=4, min_compression_rate=EDGCConfig().min_compression_rate)
+
+    def counted(stage, compressed):
+        if not compressed:
+            return 2 * 4 * stage.numel  # (2 TP ranks, 4 bytes an element)
+        mats, rest = compressed_matrices(stage, opts)
+        return 2 * 4 * (rest + sum(c * (m + n) * min(4, m, n) for (m, n), c in mats.items()))
+
+    train = [r for r in _train(data_dir, tmp_path / "tp", "--tp", "2", "--dp", "2", *args) if r["kind"] == "train"]
+    [stage] = stage_gradients(model, tp=2, pp=1)
+    assert [r["bytes_sent"] for r in train] == [counted(stage, r["phase"] == "compress") for r in train]
+    assert [r["phase"] for r in train] == ["warmup", "warmup", "compress", "compress"]
+
+    train = [r for r in _train(data_dir, tmp_path / "pptp", "--pp", "2", "--tp", "2", "--dp", "2",
+                               "--dac-stage-ranks", "uniform", *args) if r["kind"] == "train"]
+    stages = stage_gradients(model, tp=2, pp=2)
+    assert [r["stage_bytes_sent"] for r in train] == [[counted(s, r["phase"] == "compress") for s in stages]
+                                                      for r in train]

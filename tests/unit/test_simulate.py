@@ -110,7 +110,7 @@ def test_cluster_from_toml_rejects_unknown_keys(tmp_path):
 
 def test_stage_gradients_megatron_split():
     model = build_model("tiny", device="meta")  # 4 blocks, C = 128, V = 2048, block_size 128
-    s0, s1 = stage_gradients(model, tp=2, pp=2)
+    s0, s1 = stage_gradients(model, tp=2, pp=2, layout="megatron")
     assert s0.shapes[:2] == ((1024, 128), (128, 128))  # wte split along the vocabulary; wpe whole
     block = s0.shapes[2:14]
     assert block == (
@@ -124,16 +124,29 @@ def test_stage_gradients_megatron_split():
     assert len(s0.shapes) == 2 + 2 * 12 and len(s1.shapes) == 2 * 12 + 2  # 2 blocks each; ln_f last
     assert s1.shapes[-2:] == ((128,), (128,))
     # pp=3 over 4 blocks: 2, 1, 1
-    counts = [sum(1 for s in st.shapes if s == (384, 128)) for st in stage_gradients(model, tp=1, pp=3)]
+    counts = [sum(1 for s in st.shapes if s == (384, 128))
+              for st in stage_gradients(model, tp=1, pp=3, layout="megatron")]
     assert counts == [2, 1, 1]
     # tp=1: the shards are the whole model, the tied head counted once
-    assert sum(st.numel for st in stage_gradients(model, tp=1, pp=2)) == model.num_parameters()
+    assert sum(st.numel for st in stage_gradients(model, tp=1, pp=2, layout="megatron")) == model.num_parameters()
+
+
+def test_stage_gradients_edgc_layout_keeps_the_embedding_whole_with_the_heads_copy_last():
+    model = build_model("tiny", device="meta")
+    s0, s1 = stage_gradients(model, tp=2, pp=2)  # (the default: what edgc train --tp syncs)
+    megatron = stage_gradients(model, tp=2, pp=2, layout="megatron")
+    assert s0.shapes[0] == (2048, 128) and s0.shapes[1:] == megatron[0].shapes[1:]
+    assert s1.shapes == (*megatron[1].shapes, (2048, 128))  # the last stage's copy of the tied matrix
+    [whole] = stage_gradients(model, tp=2, pp=1)
+    assert whole.shapes[0] == (2048, 128) and (2048, 128) not in whole.shapes[1:]
+    with pytest.raises(ValueError, match="unknown tensor-parallel layout 'sharded'"):
+        stage_gradients(model, tp=2, pp=1, layout="sharded")
 
 
 def test_powersgd_bytes_are_m_plus_n_times_r():
     c = _cluster()
     opts = SimOptions(rank_max=8)
-    stage = stage_gradients(build_model("tiny", device="meta"), 1, 2)[1]
+    stage = stage_gradients(build_model("tiny", device="meta"), 1, 2, layout="megatron")[1]
     profile = CostProfile()
     for m, n in {(384, 128), (128, 128), (512, 128), (128, 512)}:
         profile.lowrank[(m, n, 8)] = 0.0
@@ -225,7 +238,7 @@ def _profile(opts: SimOptions) -> CostProfile:
 
 def test_simulate_hand_cluster():
     c = _cluster(step_compute_s=0.01)
-    opts = SimOptions(rank_max=8)
+    opts = SimOptions(rank_max=8, tp_layout="megatron")  # (the head counted once, on stage 0)
     profile = _profile(opts)
     proj = simulate(c, profile, opts)
     assert profile.measured == 0  # everything came from the given profile

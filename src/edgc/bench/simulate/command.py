@@ -10,6 +10,7 @@ import torch
 from edgc.bench.simulate.cluster import ClusterSpec, load_cluster
 from edgc.bench.simulate.costs import CostSource
 from edgc.bench.simulate.gpu import GPUS, RooflineModel, find_gpu
+from edgc.bench.simulate.layout import LAYOUTS
 from edgc.bench.simulate.model import SimOptions, parse_schedule, simulate
 from edgc.bench.simulate.profile import CostProfile, DeviceTimer
 from edgc.bench.simulate.report import format_projection
@@ -45,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank-max", type=int, default=32, help="r_max: static PowerSGD rank and EDGC's upper bound")
     p.add_argument("--rank-min", type=int, default=None, help="r_min (default: rank-max // 4)")
     p.add_argument("--warmup-fraction", type=float, default=0.1, help="share of steps trained uncompressed")
+    p.add_argument("--tp-layout", choices=LAYOUTS, default="edgc",
+                   help="how tensor parallelism splits the model: edgc (as edgc train --tp: the embedding whole on "
+                        "every TP rank) or megatron (the embedding split on the vocabulary)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--edgc-mean-rank", type=float, default=None,
                        help="EDGC stage-0 rank held constant after warm-up")
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.edgc_schedule:
         schedule = parse_schedule(args.edgc_schedule)
     opts = SimOptions(rank_max=args.rank_max, rank_min=args.rank_min, warmup_fraction=args.warmup_fraction,
-                      edgc_schedule=schedule)
+                      edgc_schedule=schedule, tp_layout=args.tp_layout)
     profile = CostProfile(cost_source(args, cluster), compute_scale=args.compute_scale)
     if args.profile:
         profile.load(args.profile)

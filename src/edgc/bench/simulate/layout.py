@@ -1,7 +1,10 @@
 """Which gradient each GPU of a tensor- and pipeline-parallel layout all-reduces over its DP group.
 
 `stage_gradients` splits a model's real parameter shapes (the model may live on the meta
-device) the way Megatron lays them out, one `StageGradients` per pipeline stage.
+device) the way edgc's own tensor parallelism lays them out (edgc.train.tensor_parallel:
+the token embedding whole on every TP rank, the head's copy on the last stage), or the
+way Megatron does (the embedding split on the vocabulary), one `StageGradients` per
+pipeline stage.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import torch
 
 from edgc.models.gpt2 import GPT
 
-__all__ = ["StageGradients", "stage_gradients"]
+__all__ = ["LAYOUTS", "StageGradients", "stage_gradients"]
+
+#: The tensor-parallel layouts `stage_gradients` knows.
+LAYOUTS = ("edgc", "megatron")
 
 
 @dataclass(frozen=True)
@@ -53,24 +59,27 @@ def _shard(shape: torch.Size, dim: int | None, tp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def stage_gradients(model: GPT, tp: int, pp: int) -> list[StageGradients]:
+def stage_gradients(model: GPT, tp: int, pp: int, layout: str = "edgc") -> list[StageGradients]:
     """Return, per pipeline stage, the gradient shapes one GPU of that stage synchronises.
 
-    A simplified Megatron layout of the model's real parameters (`model` may live on the
-    meta device):
+    The model's real parameters (`model` may live on the meta device), laid out as:
 
-    - blocks are split evenly over the pp stages (the first n_layer % pp stages get one
+    - blocks split evenly over the pp stages (the first n_layer % pp stages get one
       more); stage 0 also holds wte and wpe, the last stage ln_f;
-    - the head is tied to wte and counted once, on stage 0 (Megatron keeps a copy on the
-      last stage and all-reduces the two copies' gradients; that extra sync is left out);
-    - wte is split over tp along the vocabulary (rounded up; Megatron pads the vocabulary
-      to a multiple of 128·tp instead); wpe and LayerNorms are replicated;
-    - qkv and fc are column-parallel (output dimension and bias split), attn proj and mlp
-      proj row-parallel (input dimension split, bias replicated).
+    - qkv and fc column-parallel (output dimension and bias split), attn proj and mlp
+      proj row-parallel (input dimension split, bias replicated); wpe and LayerNorms
+      replicated;
+    - `layout` "edgc" (what `edgc train --tp` syncs): wte whole on every TP rank, and with
+      pp > 1 the last stage's copy of it for the head (V, C), which syncs over DP too;
+      "megatron" (a simplified Megatron): wte split over tp along the vocabulary (rounded
+      up; Megatron pads the vocabulary to a multiple of 128·tp instead), the head counted
+      once, on stage 0 (the extra sync of Megatron's copy on the last stage left out).
 
-    Raises ValueError if pp exceeds the number of blocks or a parameter has no known place.
-    Changes nothing.
+    Raises ValueError if pp exceeds the number of blocks, the layout is unknown or a
+    parameter has no known place. Changes nothing.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown tensor-parallel layout {layout!r}; known: {', '.join(LAYOUTS)}")
     n_layer = model.config.n_layer
     if pp > n_layer:
         raise ValueError(f"pp({pp}) exceeds the model's {n_layer} blocks")
@@ -78,9 +87,14 @@ def stage_gradients(model: GPT, tp: int, pp: int) -> list[StageGradients]:
     first_block = [sum(per_stage[:s]) for s in range(pp)]
     stage_of_block = {b: s for s in range(pp) for b in range(first_block[s], first_block[s] + per_stage[s])}
     shapes: list[list[tuple[int, ...]]] = [[] for _ in range(pp)]
+    head_copy: tuple[int, ...] | None = None
     for name, p in model.named_parameters():  # a tied parameter is yielded once (as wte.weight)
-        if name == "wte.weight":
+        if name == "wte.weight" and layout == "megatron":
             shapes[0].append(_shard(p.shape, 0, tp))  # (V/tp, C)
+        elif name == "wte.weight":
+            shapes[0].append(_shard(p.shape, None, tp))  # (V, C)
+            if pp > 1:
+                head_copy = _shard(p.shape, None, tp)  # (V, C), after ln_f (edgc.train.pipeline.GPTStage)
         elif name == "wpe.weight":
             shapes[0].append(_shard(p.shape, None, tp))  # (block_size, C)
         elif name.startswith("ln_f."):
@@ -96,4 +110,6 @@ def stage_gradients(model: GPT, tp: int, pp: int) -> list[StageGradients]:
             shapes[stage_of_block[int(index)]].append(_shard(p.shape, dim, tp))
         else:
             raise ValueError(f"parameter {name!r} has no pipeline stage in stage_gradients")
+    if head_copy is not None:
+        shapes[pp - 1].append(head_copy)
     return [StageGradients(s, tuple(sh)) for s, sh in enumerate(shapes)]

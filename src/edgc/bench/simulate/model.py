@@ -104,6 +104,11 @@ class SimOptions:
     rank_multiple: int = EDGCConfig.rank_multiple
     """The stage-0 rank is rounded to a multiple of this (release: even)."""
 
+    tp_layout: str = "edgc"
+    """How tensor parallelism splits the model (edgc.bench.simulate.layout.LAYOUTS): "edgc",
+    as `edgc train --tp` does (the embedding whole on every TP rank), or "megatron" (the
+    embedding split on the vocabulary)."""
+
     def __post_init__(self) -> None:
         if self.rank_max < 1:
             raise ValueError(f"rank_max must be >= 1, got {self.rank_max}")
@@ -360,7 +365,7 @@ def simulate(cluster: ClusterSpec, profile: CostProfile, opts: SimOptions) -> Pr
     """
     model = build_model(cluster.preset, block_size=cluster.seq_len, device="meta")
     n_params = model.num_parameters()
-    stages = stage_gradients(model, cluster.tp, cluster.pp)
+    stages = stage_gradients(model, cluster.tp, cluster.pp, opts.tp_layout)
     shapes, ranks = profile_needs(stages, opts)
     profile.ensure_lowrank(shapes, ranks)
     profile.ensure_entropy(opts.gradient_sample_rate, opts.entropy_estimator, opts.bins)
