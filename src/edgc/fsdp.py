@@ -25,6 +25,17 @@ the replicate group and the decisions agreed over the whole mesh, so every shard
 compresses at the same rank. Padding rows are zero in every replica's gradient and stay
 zero through P, Q and the error feedback.
 
+Tensor parallelism. A model split with torch's `parallelize_module` on a "tp" dimension of
+the same mesh, ("replicate", "shard", "tp"), then sharded on mesh["shard"], is registered
+with the 2-D slice, `register_edgc(model, mesh["replicate", "shard"], config)`. FSDP then
+hands the hook each TP rank's local shards, and each is compressed over that TP rank's own
+replicate group (no gradient crosses TP ranks). The decisions are agreed over the stage's
+replicate x shard x tp group (built here by every process, for every stage, in one order).
+Tensors TP leaves whole (outside the plan, or Replicate on the TP dimension) get the same
+gradient on every TP rank, are compressed alike (same shapes, same Q from the same seed,
+same rank: checked once, `_check_same_shards`) and so stay bit-identical; the signals
+count them on the first TP rank only (CompressionState.uncounted).
+
 Gradient accumulation. On a 1-D shard mesh FSDP calls the hook on every micro-batch that
 reduce-scatters. Call `model.set_requires_all_reduce(False)` before the micro-batches that
 should not sync and `set_requires_all_reduce(True)` before the last, exactly as with
@@ -36,15 +47,16 @@ Checkpoints. `state.state_dict()` holds this process's error feedback, Q and pol
 under a key of its own global rank, as one opaque value, beside the layout; saved with
 `torch.save` per rank or with `torch.distributed.checkpoint` inside the app state, every
 rank's value is kept (DCP stores each rank's own key), and `load_state_dict` takes it
-back, refusing a checkpoint of another replicate × shard layout and naming both. A
+back, refusing a checkpoint of another replicate × shard × tp layout and naming both. A
 checkpoint is taken between optimiser steps: a local accumulation sum is not in it.
 
 Refused before the first step, with the reason: a model with no FSDPModule, one sharded on
 the 2-D mesh (native HSDP: its own all-reduce would run too), a module with several
 parameter groups, parameters sharded on a dim other than 0, a mesh without the named
-dimensions, a shard mesh other than the given one, and `max_rank=None` (calibration times
-the whole local gradient at once). At a step: a buffer whose size differs from the layout
-worked out from the parameters (a parameter without a gradient: every one needs one).
+dimensions, a shard mesh other than the given one, TP shards of unequal shapes, and
+`max_rank=None` (calibration times the whole local gradient at once). At a step: a
+buffer whose size differs from the layout worked out from the parameters (a parameter
+without a gradient: every one needs one).
 """
 
 from __future__ import annotations

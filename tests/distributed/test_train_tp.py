@@ -144,3 +144,24 @@ def test_the_simulator_counts_the_bytes_the_library_sends_per_tp_shard(tmp_path,
     stages = stage_gradients(model, tp=2, pp=2)
     assert [r["stage_bytes_sent"] for r in train] == [[counted(s, r["phase"] == "compress") for s in stages]
                                                       for r in train]
+
+
+def test_pp2_tp2_dp2_under_torchrun_and_a_bad_layout_is_refused(tmp_path, data_dir):
+    import subprocess
+    import sys
+
+    from edgc.train.launch import free_port
+
+    def torchrun(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
+               "--master-port", str(free_port()), "-m", "edgc", "train", "--data", str(data_dir), "--out", str(out),
+               *COMMON, "--method", "edgc", "--steps", "4", "--edgc-warmup-steps", "1", "--edgc-window", "2", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+
+    proc = torchrun(tmp_path / "ok", "--pp", "2", "--tp", "2", "--dp", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_metrics(tmp_path / "ok" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["phase"] == "compress"
+    assert "8 workers as 2 pipeline stages x 2 replicas x 2 TP ranks" in (tmp_path / "ok" / "summary.md").read_text()
+    bad = torchrun(tmp_path / "bad", "--pp", "2", "--tp", "2", "--dp", "3")
+    assert bad.returncode != 0 and "pp(2) * dp(3) * tp(2) != world(8)" in bad.stderr

@@ -222,9 +222,12 @@ def format_projection(proj: Projection, profile: CostProfile) -> str:
          "are serialised; no congestion, no NVLink, no overlap of sync with backward (as in edgc's hook)."),
         ("- compute: one number per step (given, or 6·N·tokens at an assumed sustained FLOP/s); "
          f"t_mb = {c.backward_fraction:.2f} of one of the (micro-batches + pp − 1) 1F1B slots; "
-         "pipeline activation traffic and the embedding-copy sync between first and last stage are left out."),
+         "pipeline activation traffic and the sum of the tied embedding's two copies between first and last "
+         "stage are left out."),
         ("- layout: blocks split evenly over stages, Megatron column/row tensor-parallel splits, "
-         "vocabulary split by ceil(V/tp) without Megatron's padding; tied head counted once on stage 0."),
+         + ("the token embedding whole on every TP rank and the head's copy of it synced by the last stage, as "
+            "edgc train --tp does (--tp-layout megatron splits the vocabulary instead)." if o.tp_layout == "edgc" else
+            "vocabulary split by ceil(V/tp) without Megatron's padding; tied head counted once on stage 0.")),
         ("- EDGC's rank follows a fixed schedule standing in for the entropy trajectory (no window "
          "rate limit, no error-check warm-up gate); the stage-0 rank is rounded to a multiple of "
          f"{o.rank_multiple}; DAC uses each stage's own α–β + compression-cost T(r)."),
