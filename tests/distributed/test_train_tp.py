@@ -33,17 +33,19 @@ def test_tp2_gives_tp1_losses_uncompressed_and_saves_the_same_model(tmp_path, da
     plain = _train(data_dir, tmp_path / "dp", *steps, "--dp", "2")
     tp = _train(data_dir, tmp_path / "tp", *steps, "--tp", "2", "--dp", "2")
     seq = _train(data_dir, tmp_path / "sp", *steps, "--tp", "2", "--dp", "2", "--sequence-parallel")
-    for run in (tp, seq):
+    vocab = _train(data_dir, tmp_path / "vp", *steps, "--tp", "2", "--dp", "2", "--vocab-parallel")
+    for run in (tp, seq, vocab):
         assert _losses(run) == pytest.approx(_losses(plain), rel=1e-5)
         assert _losses(run, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
     # the checkpoint holds the model as one process would (c_attn's rows in GPT-2's order;
     # a row out of place would differ by ~0.1): equal but for the sums' float order, which
     # Adam's normalisation turns into at most ~2e-5 after 4 steps of lr 6e-4
     a = torch.load(tmp_path / "dp" / CHECKPOINT_NAME, weights_only=False)["model"]
-    b = torch.load(tmp_path / "tp" / CHECKPOINT_NAME, weights_only=False)["model"]
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-4), name
+    for run in ("tp", "vp"):
+        b = torch.load(tmp_path / run / CHECKPOINT_NAME, weights_only=False)["model"]
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.allclose(a[name], b[name], rtol=0, atol=1e-4), (run, name)
     summary = (tmp_path / "tp" / "summary.md").read_text()
     assert "4 workers as 2 replicas x 1 shard x 2 TP ranks" in summary
 
@@ -90,8 +92,9 @@ def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exac
     assert _losses(tp) == pytest.approx(_losses(plain), rel=1e-5)
     assert _losses(tp, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
 
+    # (the embedding and the head's copy split on the vocabulary here; whole in the runs above)
     common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4", "--pp", "2",
-              "--tp", "2", "--dp", "2", "--edgc-warmup-steps", "3", "--edgc-window", "2",
+              "--tp", "2", "--dp", "2", "--vocab-parallel", "--edgc-warmup-steps", "3", "--edgc-window", "2",
               "--edgc-iteration-sample-rate", "1.0", "--edgc-max-rank", "8", "--edgc-min-rank", "2",
               "--edgc-noise-exponent", "0.5",
               # given timings (T = 1 ms per rank): deterministic DAC decisions, so a resume is exact

@@ -93,7 +93,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
     """param.grad, which sync_with_hook has checked every parameter has (its local shard
-    for a DTensor parameter)."""
+    for a DTensor parameter). A DTensor gradient laid out otherwise than its parameter (the
+    vocabulary-split embedding's comes back partial: a sum over the TP ranks still to do) is
+    first redistributed to the parameter's layout, in place of .grad: a collective over the
+    TP group, issued in parameter order on every TP rank, as FSDP2 does before its hooks."""
     grad = param.grad
     assert grad is not None
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()

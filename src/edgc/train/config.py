@@ -52,8 +52,9 @@ class TrainConfig:
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype", "compile",
                                     "emulated_device_ms"),
-        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "sequence_parallel", "pp", "dp",
-                                        "schedule", "microbatches", "sync_after_send", "activation_rank"),
+        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "sequence_parallel",
+                                        "vocab_parallel", "pp", "dp", "schedule", "microbatches", "sync_after_send",
+                                        "activation_rank"),
         "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "lr_schedule",
                          "min_lr", "lr_warmup_steps", "lr_drop_steps", "lr_drop_gamma", "weight_decay", "grad_clip",
                          "seed", "max_nonfinite_steps"),
@@ -229,6 +230,10 @@ class TrainConfig:
     sequence_parallel: bool = False
     """With tp > 1: split the norms and the residual stream between the blocks on the
     sequence over the TP ranks (torch's SequenceParallel) instead of holding them whole."""
+
+    vocab_parallel: bool = False
+    """With tp > 1: split the token embedding and the head tied to it on the vocabulary over
+    the TP ranks (as Megatron and torchtitan do) instead of holding them whole on each."""
 
     pp: int = 1
     """Pipeline stages. With pp > 1 the GPT-2 blocks are split into pp stages
@@ -407,8 +412,9 @@ class TrainConfig:
         """Refuse (through `bad`) a tensor-parallel setting the run cannot serve."""
         from edgc.train.tensor_parallel import check_tp
 
-        if self.sequence_parallel and self.tp == 1:
-            bad("sequence_parallel", "splits the sequence over the TP ranks: it needs tp > 1")
+        for name in ("sequence_parallel", "vocab_parallel"):
+            if getattr(self, name) and self.tp == 1:
+                bad(name, "splits the model over the TP ranks: it needs tp > 1")
         if self.tp == 1:
             return
         try:

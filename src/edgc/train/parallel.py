@@ -113,7 +113,7 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
     tp_group, tp_rank = None, 0
     if cfg.tp > 1:  # (TP innermost: a replica's TP ranks are adjacent workers)
         whole = init_device_mesh(device.type, layout, mesh_dim_names=("replicate", "shard", "tp"))
-        apply_tp(model, whole["tp"], sequence_parallel=cfg.sequence_parallel)
+        apply_tp(model, whole["tp"], sequence_parallel=cfg.sequence_parallel, vocab_parallel=cfg.vocab_parallel)
         mesh = whole["replicate", "shard"]
         tp_group, tp_rank = whole["tp"].get_group(), whole["tp"].get_local_rank()
     else:

@@ -300,7 +300,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     emulate_device_time(stage_mod.h, cfg.emulated_device_ms)
     submodule: nn.Module = stage_mod
     if layout.tp_mesh is not None:  # (DDP takes no DTensor parameters: the stage syncs itself after its sends)
-        apply_tp(stage_mod, layout.tp_mesh)
+        apply_tp(stage_mod, layout.tp_mesh, vocab_parallel=cfg.vocab_parallel)
     else:
         submodule = DDP(stage_mod, process_group=layout.dp_group, bucket_cap_mb=cfg.bucket_cap_mb,
                         device_ids=[device.index] if use_cuda else None)
@@ -352,9 +352,10 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             loss = _run(schedule, stage, layout, x, y)
             t_synced = time.perf_counter()
             tied = stage_mod.tied_weight()
-            if layout.tied_group is not None and tied is not None:
-                # collective: all-reduce SUM of the tied matrix's gradient, first + last stage
-                dist.all_reduce(tied.grad, group=layout.tied_group)
+            if layout.tied_group is not None and tied is not None and tied.grad is not None:
+                # collective: all-reduce SUM of the tied matrix's gradient (this TP rank's rows
+                # with --vocab-parallel), first + last stage
+                dist.all_reduce(_local(tied.grad), group=layout.tied_group)
             norm = _clip(stage_mod, layout, cfg.grad_clip)
             alignment = getattr(hook_state, "alignment", None)
             if alignment is not None and not (alignment.decisions

@@ -8,12 +8,16 @@ The plan, per transformer block, on the 1-D "tp" mesh of T ranks:
     mlp.c_fc     ColwiseParallel   4C / T hidden units per rank
     mlp.c_proj   RowwiseParallel
 
-The token and position embeddings, the norms and the head stay whole on every TP rank
-(the head is tied to the token embedding; sharding both on the vocabulary would split one
-Parameter two ways). With `sequence_parallel`, the norms and the residual stream between
-the blocks are split on the sequence instead (torch's SequenceParallel): each rank holds
-T_seq / T positions there, and the all-reduce at each row-parallel output becomes a
-reduce-scatter plus an all-gather before the next column-parallel input.
+The position embedding and the norms stay whole on every TP rank. The token embedding and
+the head (tied to it: one Parameter) stay whole too, or with `vocab_parallel` are split on
+the vocabulary, as Megatron and torchtitan split them: the embedding row-wise (each rank
+looks up the tokens of its V / T rows, and the outputs are summed over the TP ranks), the
+head column-wise (each rank computes the logits of its V / T tokens, gathered whole for the
+loss), and the two re-tied to the one split Parameter. With `sequence_parallel`, the norms
+and the residual stream between the blocks are split on the sequence instead (torch's
+SequenceParallel): each rank holds T_seq / T positions there, and the all-reduce at each
+row-parallel output becomes a reduce-scatter plus an all-gather before the next
+column-parallel input.
 
 Why c_attn's rows are reordered. GPT-2 computes q, k and v in one (3C x C) matrix whose
 rows are [q; k; v]. ColwiseParallel gives each rank a contiguous block of 3C / T rows,
@@ -66,9 +70,11 @@ def qkv_order(n_embd: int, tp: int) -> torch.Tensor:
                       for t in range(tp) for which in range(3)])
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+             vocab_parallel: bool = False) -> None:
     """Split the blocks of a GPT (or of a pipeline stage holding `h`) over the 1-D `mesh`,
-    in place (see the module doc). Call it on a freshly built model, before fully_shard."""
+    and with `vocab_parallel` its token embedding and head, in place (see the module doc).
+    Call it on a freshly built model, before fully_shard."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -98,6 +104,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
                 "attn.c_proj": RowwiseParallel(output_layouts=seq), "mlp.c_proj": RowwiseParallel(output_layouts=seq),
             })
         parallelize_module(block, mesh, plan)
+    if vocab_parallel:
+        _split_vocabulary(model, mesh)
     if sequence_parallel:
         # into the blocks: the replicated embedding's output, cut on the sequence (no
         # communication); out of them: the final norm on the sequence's shards, then
@@ -111,6 +119,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
                 "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                               use_local_output=True),
             })
+
+
+def _split_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split the token embedding row-wise and the head column-wise on the vocabulary (a
+    pipeline stage has either or both), and tie the head to the split embedding again
+    where the two were one Parameter."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    wte, head = getattr(model, "wte", None), getattr(model, "lm_head", None)
+    tied = wte is not None and head is not None and head.weight is wte.weight
+    plan: dict[str, Any] = {}
+    if wte is not None:
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate())  # (B, T) ids -> (B, T, C) summed over TP
+    if head is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # (B, T, V / tp) -> gathered (B, T, V)
+    parallelize_module(model, mesh, plan)
+    if tied:
+        model.lm_head.weight = model.wte.weight  # type: ignore[union-attr]
 
 
 def _reorder(state: dict[str, Any], tp: int, n_embd: int, inverse: bool) -> dict[str, Any]:
