@@ -4,4 +4,4 @@ from edgc.comm import EDGCState, EDGCStats, edgc_hook, log_stats
 from edgc.config import EDGCConfig
 
 __all__ = ["EDGCConfig", "EDGCState", "EDGCStats", "edgc_hook", "log_stats"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

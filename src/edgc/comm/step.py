@@ -125,7 +125,7 @@ __all__ = ["StepInfo", "StepResult", "StepSync"]
 
 @dataclass
 class StepInfo:
-    """The plan of a step: what the synchroniser decided at its start (GradientSync.begin_step)."""
+    """The plan of a step: what the synchroniser decided at its start (GradientSync._begin_step)."""
 
     step: int
     compressed: bool  # low-rank round (else every unit is all-reduced whole)

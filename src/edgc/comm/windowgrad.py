@@ -7,7 +7,7 @@ it agrees across replicas with no collective of its own:
 
 - For the "critical" policy (edgc.policy.critical): the window's sum of the averaged
   gradient, on the GDS sample of its elements (every round(1/beta)-th element of each
-  tensor, at EDGCState._sample_layout's offsets), in float64 on the gradients' device.
+  tensor, at CompressionState.sample_layout's offsets), in float64 on the gradients' device.
   At the window end N = ||sum / steps||, the norm of the window's mean gradient on those
   elements. With error feedback, the compressed steps' averages add up over a window to
   roughly the true gradients' sum (what a step leaves out is sent in later steps).

@@ -4,8 +4,10 @@ A policy turns what the synchroniser measured over a window into the next window
 The synchroniser (edgc.comm.sync.GradientSync) owns every measurement and collective; a
 policy only declares which signals it reads (`Signals`), is handed them at each window end
 (`WindowEnd`), and keeps its own state between windows (`state_dict`). So a policy is pure
-python, tested in one process, and adding one touches policy/ and the registry only
-(edgc.policy.registry, and docs/developing.md for an example).
+python, tested in one process, and adding one touches policy/ and the registry
+(edgc.policy.registry, and docs/developing.md for an example), and, for a policy with
+settings, edgc.config too: its settings' dataclass is a section of EDGCConfig (a field
+and an entry in SECTIONS), which `register_policy` from a user's code cannot add.
 
 The life of a policy:
 

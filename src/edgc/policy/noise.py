@@ -14,7 +14,7 @@ B / n is the ratio of the noise's energy in it to the signal's (E|G_avg|^2 = |G|
 the rank stays at r_max. Beyond, an error of the compressed step weighs less against
 the noise each step already carries, and the rank falls as
 
-    r = r_max * (n / B)^gamma,    gamma = `noise_exponent` (0.35 by default),
+    r = r_max * (n / B)^gamma,    gamma = `EDGCConfig.noise.exponent` (0.35 by default),
 
 clipped to [r_min, r_max], rounded to `rank_multiple` and moved at most `rank_step` per
 window (edgc.policy.window.limit_rank), so that a noisy window moves it little. gamma is
