@@ -67,3 +67,9 @@ def test_the_workers_started_are_the_layouts_product():
     assert TrainConfig(tp=2, dp=2).hsdp_layout(4) == (2, 1, 2)
     assert TrainConfig(tp=2, pp=2, dp=2).pipeline_layout(8) == (2, 2, 2)
     assert TrainConfig(dp_shard=2).hsdp_layout(4) == (2, 2)  # (without TP, as before)
+
+
+def test_a_resume_keeps_the_tp_layout():
+    from edgc.train.trainer import RESUME_MAY_CHANGE
+
+    assert not {"tp", "sequence_parallel", "vocab_parallel"} & set(RESUME_MAY_CHANGE)
