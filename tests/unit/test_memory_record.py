@@ -27,8 +27,10 @@ def test_state_mb_counts_parameters_optimiser_and_compression_state(alternate, s
     # and, alternating, P (m x 4); and the step's workspace
     compression = sum(size * (n * 4 + 2 * m * n + (m * 4 if alternate else 0)) for m, n in ((24, 32), (16, 24)))
     compression += state.sync.compression.workspace.nbytes
+    assert state.stats().state_bytes == compression
     params = sum(p.numel() * 4 for p in model.parameters())
     record = memory_record(3, model, opt, state, torch.device("cpu"))
+    assert round(record["compression_mb"] * 1e6) == compression
     held = round(record["state_mb"] * 1e6)
     steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())  # (Adam's counters)
     assert held == params + 2 * params + steps + compression  # (Adam: exp_avg and exp_avg_sq)

@@ -176,6 +176,17 @@ class CompressionState:
             self._sample_at = (rate, sample_offsets(numels, rate), dtype)
         return self._sample_at[1], self._sample_at[2]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the state holds: every group's Q, error feedback (both buffers) and P
+        (alternating), each storage counted once, and the workspace."""
+        storages: dict[int, int] = {}
+        for g in self.groups.values():
+            for t in (g.q, g.error, g.spare, g.p):
+                if t is not None:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values()) + self.workspace.nbytes
+
     def unit_plan(self, unit: tuple[int, ...], groups: list[Group], device: torch.device | None) -> UnitPlan:
         """The cached UnitPlan of a unit (per set of groups: [] for an uncompressed step)."""
         key = (bool(groups), unit)

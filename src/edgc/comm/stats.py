@@ -59,6 +59,11 @@ class EDGCStats:
     # on compressed steps, whose average is the low-rank one
     # (edgc.comm.windowgrad); nan with one replica, or before the first window end
     noise_scale: float = math.nan
+    # bytes this replica's compression state holds now: Q, the error feedback (its two
+    # buffers), P when alternating, the step's workspace (CompressionState.nbytes) and the
+    # window's sums of the averaged gradient's sample (WindowGradient.nbytes); the model's
+    # parameters and gradients are not in it. 0 before compression starts (but for those sums)
+    state_bytes: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -70,7 +75,8 @@ class EDGCStats:
         and "compressing" (1 or 0) say what the last step did (step_rank, step_phase), as
         metrics.jsonl does; then "entropy" (left out before the first estimate), "min_rank",
         "max_rank", the byte counts so far and their "compression_ratio", the seconds spent,
-        the counts of compressed and non-finite steps, and where measured "critical_rho",
+        the counts of compressed and non-finite steps, the compression state's
+        "state_bytes", and where measured "critical_rho",
         "window_norm", "lr_drop" (1 or 0, from the first "critical" window end on) and
         "noise_scale"; values not measured yet (nan) are left out."""
         out = {
@@ -82,7 +88,7 @@ class EDGCStats:
             "compressed_steps": float(self.compressed_steps), "nonfinite_steps": float(self.nonfinite_steps),
             "critical_rho": self.critical_rho, "window_norm": self.window_norm,
             "lr_drop": float(self.lr_drop) if math.isfinite(self.window_norm) else math.nan,
-            "noise_scale": self.noise_scale,
+            "noise_scale": self.noise_scale, "state_bytes": float(self.state_bytes),
         }
         return {name: value for name, value in out.items() if math.isfinite(value)}
 

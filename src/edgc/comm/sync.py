@@ -226,7 +226,7 @@ class GradientSync:
             entropy_seconds=self.entropy_seconds, nonfinite_steps=self.nonfinite_steps,
             compressed_steps=self.compressed_steps, critical_rho=report.get("critical_rho", math.nan),
             window_norm=report.get("window_norm", math.nan), lr_drop=bool(report.get("lr_drop", 0.0)),
-            noise_scale=self.noise_scale,
+            noise_scale=self.noise_scale, state_bytes=self.compression.nbytes + self.window_gradient.nbytes,
         )
 
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:

@@ -47,6 +47,11 @@ class WindowGradient:
         self.steps: torch.Tensor | None = None  # () float64: finite steps in `total`
         self.noise: torch.Tensor | None = None  # (2,) float64: Σ |G_small|², Σ |G_big|² of sampled steps
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the window's sums hold."""
+        return sum(t.untyped_storage().nbytes() for t in (self.total, self.steps, self.noise) if t is not None)
+
     def observe(self, grads: Sequence[torch.Tensor], offsets: Sequence[int], dtype: torch.dtype, rate: float,
                 scale: float, finite: torch.Tensor, *, accumulate: bool, small_sq: float | None,
                 sample: torch.Tensor | None = None) -> None:

@@ -542,7 +542,8 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
     """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
     "state_mb", the bytes it holds of the parameters, the optimiser state and the
     compression state (error feedback and Q), each as stored here (a sharded model's
-    local shards), with the compression state's spare error buffer and workspace; "peak_mb",
+    local shards), with the compression state's spare error buffer and workspace;
+    "compression_mb", the compression state's part (EDGCStats.state_bytes); "peak_mb",
     the peak CUDA memory allocated, or on the CPU the process's peak resident set."""
     def local(t: Any) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
@@ -550,18 +551,16 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
 
     held = sum(local(p) for p in model.parameters())
     held += sum(local(v) for state in opt.state.values() for v in state.values())
-    sync = getattr(hook_state, "sync", hook_state)  # (edgc's DDP and FSDP states hold their core)
-    compression = getattr(sync, "compression", None)
-    for g in getattr(compression, "groups", {}).values():  # (Q, the error's two buffers, P)
-        held += sum(local(t) for t in (g.q, g.error, g.spare, g.p) if t is not None)
-    held += getattr(getattr(compression, "workspace", None), "nbytes", 0)
+    compression = int(getattr(hook_state.stats(), "state_bytes", 0))  # (EDGCStats.state_bytes; 0 for the others)
+    held += compression
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
-    return {"step": step, "kind": "memory", "state_mb": held / 1e6, "peak_mb": peak / 1e6}
+    return {"step": step, "kind": "memory", "state_mb": held / 1e6, "compression_mb": compression / 1e6,
+            "peak_mb": peak / 1e6}
 
 
 def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta, precision, guard) -> None:

@@ -1,0 +1,48 @@
+"""`stats().state_bytes` is what the hook's state holds: every tensor reachable from the
+state object, each storage once, counted from outside the library (the model's parameters
+and gradients left out)."""
+
+import gc
+
+import pytest
+import torch
+
+from edgc import EDGCConfig, EDGCState, edgc_hook
+from edgc.comm.buckets import sync_with_hook
+
+
+def _reachable_bytes(root, exclude):
+    """Bytes of the tensor storages reachable from `root` by Python references, each
+    storage once, leaving out the storages in `exclude` and anything behind a module."""
+    seen, storages = set(), {}
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, torch.nn.Module)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            if s.data_ptr() not in exclude:
+                storages[s.data_ptr()] = s.nbytes()
+            continue
+        stack.extend(gc.get_referents(o))
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("options", [
+    dict(policy="noise"), dict(policy="critical"), dict(policy="static", alternate=True),
+    dict(policy="static", state_dtype="bf16"),
+])
+def test_state_bytes_is_every_tensor_the_state_holds(options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Linear(24, 16))
+    state = EDGCState(None, EDGCConfig(max_rank=4, warmup="fixed", warmup_steps=1, iteration_sample_rate=1.0,
+                                       window=2, **options))
+    for _ in range(5):
+        model.zero_grad()
+        model(torch.randn(8, 32)).square().mean().backward()
+        sync_with_hook(list(model.parameters()), state, edgc_hook, cap_bytes=1 << 20)
+    exclude = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
+    held = state.stats().state_bytes
+    assert held > 0 and held == _reachable_bytes(state, exclude)
