@@ -96,7 +96,7 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
         vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
         check_compatible(ckpt, world_size=world_size, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, vocab),
-                         layout=cfg.pipeline_layout(world_size),
+                         layout=cfg.pipeline_layout(world_size) if cfg.pp > 1 else (1, world_size),
                          hsdp=cfg.hsdp_layout(world_size) if cfg.hsdp else None)
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
