@@ -2,6 +2,8 @@
 2 TP ranks, on the small test corpus."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from edgc.cli import main
 from edgc.config import EDGCConfig
 from edgc.models import build_model
 from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.launch import free_port
 from edgc.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -77,7 +80,7 @@ def test_tp_compresses_and_resumes_exactly(tmp_path, data_dir):
 
 def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exactly(tmp_path, data_dir):
     """8 workers: 2 stages x 2 replicas x 2 TP ranks, the DAC giving each stage one rank
-    agreed across its replicas and TP ranks."""
+    agreed across its replicas and TP ranks; under torchrun and edgc train's launcher."""
     small = ["--steps", "3", "--eval-every", "3"]
     plain = _train(data_dir, tmp_path / "pp", "--method", "none", "--pp", "2", "--dp", "2", *small)
     tp = _train(data_dir, tmp_path / "pptp", "--method", "none", "--pp", "2", "--tp", "2", "--dp", "2", *small)
@@ -91,7 +94,15 @@ def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exac
               "--edgc-noise-exponent", "0.5",
               # given timings (T = 1 ms per rank): deterministic DAC decisions, so a resume is exact
               "--dac-eta", "0.001", "--dac-t-mb", "0.004", "--dac-t-uncompressed", "1.0"]
-    straight = _train(data_dir, tmp_path / "straight", *common)
+    # the uninterrupted run under torchrun (8 workers on one node), the interrupted one with
+    # edgc train's own launcher
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port", str(free_port()),
+           "-m", "edgc", "train", "--data", str(data_dir), "--out", str(tmp_path / "straight"), *COMMON, *common]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    summary = (tmp_path / "straight" / "summary.md").read_text()
+    assert "8 workers as 2 pipeline stages x 2 replicas x 2 TP ranks" in summary
     train = [r for r in straight if r["kind"] == "train"]
     assert all(r["phase"] == "compress" and r["bytes_sent"] < r["bytes_uncompressed"] for r in train[3:])
     assert all(min(r["stage_rank"]) > 0 for r in train[3:]), [r["stage_rank"] for r in train]
@@ -139,23 +150,3 @@ def test_the_simulator_counts_the_bytes_the_library_sends_per_tp_shard(tmp_path,
     stages = stage_gradients(model, tp=2, pp=2)
     assert [r["stage_bytes_sent"] for r in train] == [[counted(s, r["phase"] == "compress") for s in stages]
                                                       for r in train]
-
-
-def test_pp2_tp2_dp2_under_torchrun(tmp_path, data_dir):
-    import subprocess
-    import sys
-
-    from edgc.train.launch import free_port
-
-    def torchrun(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
-               "--master-port", str(free_port()), "-m", "edgc", "train", "--data", str(data_dir), "--out", str(out),
-               *COMMON, "--method", "edgc", "--steps", "4", "--edgc-warmup-steps", "1", "--edgc-window", "2", *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-
-    proc = torchrun(tmp_path / "ok", "--pp", "2", "--tp", "2", "--dp", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train = [r for r in read_metrics(tmp_path / "ok" / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["phase"] == "compress"
-    assert "8 workers as 2 pipeline stages x 2 replicas x 2 TP ranks" in (tmp_path / "ok" / "summary.md").read_text()
-    # (a layout that is not the world: tests/unit/test_tensor_parallel_plan.py)
