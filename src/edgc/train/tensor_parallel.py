@@ -163,20 +163,21 @@ def to_file_layout(model_state: dict[str, Any], opt_state: dict[str, Any], tp: i
     torch.distributed.checkpoint.state_dict gives them) with c_attn's rows back in GPT-2's
     order; returns new dicts, the inputs are not changed. Empty dicts (the ranks that
     hold none) pass through."""
-    if tp == 1:
-        return model_state, opt_state
-    opt = dict(opt_state)
-    if "state" in opt:
-        opt["state"] = _reorder(opt["state"], tp, n_embd, inverse=True)
-    return _reorder(model_state, tp, n_embd, inverse=True), opt
+    return _states(model_state, opt_state, tp, n_embd, inverse=True)
 
 
 def to_tp_layout(model_state: dict[str, Any], opt_state: dict[str, Any], tp: int,
                  n_embd: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The inverse of to_file_layout: a checkpoint's states reordered for `tp` ranks."""
+    return _states(model_state, opt_state, tp, n_embd, inverse=False)
+
+
+def _states(model_state: dict[str, Any], opt_state: dict[str, Any], tp: int, n_embd: int,
+            inverse: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both states reordered (_reorder), the optimiser's per-parameter "state" only."""
     if tp == 1:
         return model_state, opt_state
     opt = dict(opt_state)
     if "state" in opt:
-        opt["state"] = _reorder(opt["state"], tp, n_embd, inverse=False)
-    return _reorder(model_state, tp, n_embd, inverse=False), opt
+        opt["state"] = _reorder(opt["state"], tp, n_embd, inverse)
+    return _reorder(model_state, tp, n_embd, inverse), opt
