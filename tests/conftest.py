@@ -12,7 +12,7 @@ DISTRIBUTED = Path(__file__).parent / "distributed"
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
-    parser.addoption("--soak-runs", type=int, default=10,
+    parser.addoption("--soak-runs", type=int, default=4,
                      help="runs of the slow race soak (tests/distributed/test_soak.py; the issue's goal is 50)")
 
 

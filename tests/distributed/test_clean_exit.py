@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
 def test_training_scripts_end_without_an_abort(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    for attempt in range(8):
+    for attempt in range(4):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                "--master-port", str(free_port()), str(script)],
                               capture_output=True, text=True, timeout=300)

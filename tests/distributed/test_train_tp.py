@@ -34,23 +34,25 @@ def _losses(records, kind="train", key="loss"):
 def test_tp2_gives_tp1_losses_uncompressed_and_saves_the_same_model(tmp_path, data_dir):
     steps = ["--method", "none", "--steps", "4", "--eval-every", "4"]
     plain = _train(data_dir, tmp_path / "dp", *steps, "--dp", "2")
-    tp = _train(data_dir, tmp_path / "tp", *steps, "--tp", "2", "--dp", "2")
+    tp = _train(data_dir, tmp_path / "tp", *steps, "--tp", "2", "--dp", "2")  # (the vocabulary split)
     seq = _train(data_dir, tmp_path / "sp", *steps, "--tp", "2", "--dp", "2", "--sequence-parallel")
-    vocab = _train(data_dir, tmp_path / "vp", *steps, "--tp", "2", "--dp", "2", "--vocab-parallel")
-    for run in (tp, seq, vocab):
+    whole = _train(data_dir, tmp_path / "whole", *steps, "--tp", "2", "--dp", "2", "--no-vocab-parallel")
+    for run in (tp, seq, whole):
         assert _losses(run) == pytest.approx(_losses(plain), rel=1e-5)
         assert _losses(run, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
     # the checkpoint holds the model as one process would (c_attn's rows in GPT-2's order;
     # a row out of place would differ by ~0.1): equal but for the sums' float order, which
     # Adam's normalisation turns into at most ~2e-5 after 4 steps of lr 6e-4
     a = torch.load(tmp_path / "dp" / CHECKPOINT_NAME, weights_only=False)["model"]
-    for run in ("tp", "vp"):
+    for run in ("tp", "whole"):
         b = torch.load(tmp_path / run / CHECKPOINT_NAME, weights_only=False)["model"]
         assert a.keys() == b.keys()
         for name in a:
             assert torch.allclose(a[name], b[name], rtol=0, atol=1e-4), (run, name)
     summary = (tmp_path / "tp" / "summary.md").read_text()
-    assert "4 workers as 2 replicas x 1 shard x 2 TP ranks" in summary
+    assert "4 workers as 2 replicas x 1 shard x 2 TP ranks (vocabulary split)" in summary
+    assert "4 workers as 2 replicas x 1 shard x 2 TP ranks (vocabulary split, sequence parallel)" in \
+        (tmp_path / "sp" / "summary.md").read_text()
 
 
 def test_tp_compresses_and_resumes_exactly(tmp_path, data_dir):
@@ -83,13 +85,14 @@ def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exac
     agreed across its replicas and TP ranks; under torchrun and edgc train's launcher."""
     small = ["--steps", "3", "--eval-every", "3"]
     plain = _train(data_dir, tmp_path / "pp", "--method", "none", "--pp", "2", "--dp", "2", *small)
-    tp = _train(data_dir, tmp_path / "pptp", "--method", "none", "--pp", "2", "--tp", "2", "--dp", "2", *small)
+    tp = _train(data_dir, tmp_path / "pptp", "--method", "none", "--pp", "2", "--tp", "2", "--dp", "2",
+                "--no-vocab-parallel", *small)
     assert _losses(tp) == pytest.approx(_losses(plain), rel=1e-5)
     assert _losses(tp, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
 
-    # (the embedding and the head's copy split on the vocabulary here; whole in the runs above)
+    # (the embedding and the head's copy split on the vocabulary here, the default; whole in the run above)
     common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4", "--pp", "2",
-              "--tp", "2", "--dp", "2", "--vocab-parallel", "--edgc-warmup-steps", "3", "--edgc-window", "2",
+              "--tp", "2", "--dp", "2", "--edgc-warmup-steps", "3", "--edgc-window", "2",
               "--edgc-iteration-sample-rate", "1.0", "--edgc-max-rank", "8", "--edgc-min-rank", "2",
               "--edgc-noise-exponent", "0.5",
               # given timings (T = 1 ms per rank): deterministic DAC decisions, so a resume is exact
@@ -128,7 +131,7 @@ def test_the_simulator_counts_the_bytes_the_library_sends_per_tp_shard(tmp_path,
     """`edgc simulate`'s layout of a TP shard (edgc.bench.simulate.stage_gradients) is what
     `edgc train --tp` syncs: every step's bytes, per replica (its TP ranks together) and
     per stage, equal the simulator's count (static rank 4, the gradient's dtype on the
-    wire: 4 bytes an element)."""
+    wire: 4 bytes an element), with the vocabulary split (the default) and without."""
     args = ["--method", "powersgd", "--steps", "4", "--edgc-warmup-steps", "2", "--edgc-warmup", "fixed",
             "--edgc-wire", "native"]
     model = build_model("tiny", vocab_size=512, block_size=32, device="meta")
@@ -141,12 +144,12 @@ def test_the_simulator_counts_the_bytes_the_library_sends_per_tp_shard(tmp_path,
         return 2 * 4 * (rest + sum(c * (m + n) * min(4, m, n) for (m, n), c in mats.items()))
 
     train = [r for r in _train(data_dir, tmp_path / "tp", "--tp", "2", "--dp", "2", *args) if r["kind"] == "train"]
-    [stage] = stage_gradients(model, tp=2, pp=1)
+    [stage] = stage_gradients(model, tp=2, pp=1)  # (layout "vocab")
     assert [r["bytes_sent"] for r in train] == [counted(stage, r["phase"] == "compress") for r in train]
     assert [r["phase"] for r in train] == ["warmup", "warmup", "compress", "compress"]
 
     train = [r for r in _train(data_dir, tmp_path / "pptp", "--pp", "2", "--tp", "2", "--dp", "2",
-                               "--dac-stage-ranks", "uniform", *args) if r["kind"] == "train"]
-    stages = stage_gradients(model, tp=2, pp=2)
+                               "--dac-stage-ranks", "uniform", "--no-vocab-parallel", *args) if r["kind"] == "train"]
+    stages = stage_gradients(model, tp=2, pp=2, layout="whole")
     assert [r["stage_bytes_sent"] for r in train] == [[counted(s, r["phase"] == "compress") for s in stages]
                                                       for r in train]

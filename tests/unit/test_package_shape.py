@@ -1,5 +1,6 @@
 """The package's shape: no import circle anywhere in src/edgc (type-only imports included),
-no source file over 600 lines, and no policy named inside comm/ or fsdp.py."""
+no source file over 600 lines, no policy named inside comm/ or fsdp.py, and no plotting or
+terminal library imported by a training worker."""
 
 import ast
 from pathlib import Path
@@ -110,3 +111,16 @@ def test_comm_and_fsdp_never_compare_a_policy_s_name():
     files = [*(SRC / "comm").glob("*.py"), SRC / "fsdp.py"]
     hits = {p.name: found for p in files if (found := _policy_comparisons(p.read_text(), names))}
     assert not hits, hits
+
+
+def test_a_training_worker_starts_without_the_plotting_and_terminal_libraries():
+    # every worker of `edgc train` imports these modules; matplotlib and rich cost about a
+    # second a process to import and only the summary and rank 0's progress bar need them
+    import subprocess
+    import sys
+
+    code = ("import sys, edgc.train.trainer, edgc.train.pipeline, edgc.train.parallel; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'rich'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -131,14 +131,21 @@ def test_stage_gradients_megatron_split():
     assert sum(st.numel for st in stage_gradients(model, tp=1, pp=2, layout="megatron")) == model.num_parameters()
 
 
-def test_stage_gradients_edgc_layout_keeps_the_embedding_whole_with_the_heads_copy_last():
+def test_stage_gradients_vocab_and_whole_layouts_put_the_heads_copy_on_the_last_stage():
     model = build_model("tiny", device="meta")
-    s0, s1 = stage_gradients(model, tp=2, pp=2)  # (the default: what edgc train --tp syncs)
+    s0, s1 = stage_gradients(model, tp=2, pp=2)  # (the default, "vocab": what edgc train --tp syncs)
     megatron = stage_gradients(model, tp=2, pp=2, layout="megatron")
-    assert s0.shapes[0] == (2048, 128) and s0.shapes[1:] == megatron[0].shapes[1:]
-    assert s1.shapes == (*megatron[1].shapes, (2048, 128))  # the last stage's copy of the tied matrix
-    [whole] = stage_gradients(model, tp=2, pp=1)
-    assert whole.shapes[0] == (2048, 128) and (2048, 128) not in whole.shapes[1:]
+    assert s0.shapes == megatron[0].shapes and s0.shapes[0] == (1024, 128)
+    assert s1.shapes == (*megatron[1].shapes, (1024, 128))  # the last stage's copy of the tied matrix, split
+    w0, w1 = stage_gradients(model, tp=2, pp=2, layout="whole")  # (--no-vocab-parallel)
+    assert w0.shapes[0] == (2048, 128) and w0.shapes[1:] == megatron[0].shapes[1:]
+    assert w1.shapes == (*megatron[1].shapes, (2048, 128))
+    [vocab] = stage_gradients(model, tp=2, pp=1)
+    [whole] = stage_gradients(model, tp=2, pp=1, layout="whole")
+    assert vocab.shapes[0] == (1024, 128) and whole.shapes[0] == (2048, 128)
+    assert vocab.shapes[1:] == whole.shapes[1:] and (2048, 128) not in whole.shapes[1:]
+    # tp=1, pp=2: the tied matrix on both ends, whole, in either layout
+    assert stage_gradients(model, tp=1, pp=2)[1].shapes[-1] == (2048, 128)
     with pytest.raises(ValueError, match="unknown tensor-parallel layout 'sharded'"):
         stage_gradients(model, tp=2, pp=1, layout="sharded")
 

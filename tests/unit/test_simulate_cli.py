@@ -81,18 +81,22 @@ def test_edgc_simulate_paper_12_1b_as_a_user_runs_it():
     assert _seconds(rows["PowerSGD r=32"][6]) < _seconds(rows["none"][6])
 
 
-def test_tp_layout_picks_the_libraries_whole_embedding_or_megatrons_vocabulary_split():
+def test_tp_layout_picks_the_libraries_vocabulary_split_its_whole_embedding_or_megatrons():
     def stage_line(*extra):
         out = subprocess.run([sys.executable, "-m", "edgc", "simulate", "--cluster", "paper-2.5b", *extra],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return next(line for line in out.stdout.splitlines() if "gradient per GPU by stage" in line), out.stdout
 
-    # (TP 4 x PP 4: 50257 x 1920 whole on stage 0 and the head's copy on stage 3, or V / 4 on stage 0)
-    edgc, report = stage_line()
+    # TP 4 x PP 4 on a 50257 x 1920 embedding: V / 4 on stage 0 and (but for megatron) the
+    # head's copy on stage 3, or V whole on both
+    vocab, report = stage_line()
+    whole, whole_report = stage_line("--tp-layout", "whole")
     megatron, other = stage_line("--tp-layout", "megatron")
-    assert "242.4M, 144.0M, 144.0M, 240.5M" in edgc and "as edgc train --tp does" in report
-    assert "170.1M, 144.0M, 144.0M, 144.0M" in megatron and "vocabulary split by ceil(V/tp)" in other
+    assert "170.1M, 144.0M, 144.0M, 168.1M" in vocab and "split alike, synced by the last stage, as edgc train " \
+        "--tp does" in report
+    assert "242.4M, 144.0M, 144.0M, 240.5M" in whole and "as edgc train --tp --no-vocab-parallel does" in whole_report
+    assert "170.1M, 144.0M, 144.0M, 144.0M" in megatron and "tied head counted once on stage 0" in other
 
 
 def test_a_cluster_without_a_gpu_asks_for_one(tmp_path):

@@ -52,7 +52,6 @@ def test_check_tp_shows_the_arithmetic():
     (dict(tp=2, dp=2, method="torch-powersgd"), "method='torch-powersgd': torch-powersgd is not supported with "
                                                  "tensor parallelism"),
     (dict(sequence_parallel=True), "sequence_parallel=True: splits the model over the TP ranks: it needs tp > 1"),
-    (dict(vocab_parallel=True), "vocab_parallel=True: splits the model over the TP ranks: it needs tp > 1"),
     (dict(tp=2, pp=2, dp=1, sequence_parallel=True), "sequence_parallel=True: is not supported with pipelines"),
 ])
 def test_a_bad_tp_layout_is_refused_in_one_line(options, message):

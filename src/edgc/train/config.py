@@ -222,8 +222,8 @@ class TrainConfig:
 
     tp: int = 1
     """Tensor-parallel ranks per model replica: torch's DTensor tensor parallelism splits
-    each GPT-2 block's attention heads and MLP over T adjacent workers (the embeddings and
-    the head stay whole). With T > 1 the model goes through FSDP2 (shard size dp_shard,
+    each GPT-2 block's attention heads and MLP over T adjacent workers (and the token
+    embedding and head on the vocabulary: vocab_parallel). With T > 1 the model goes through FSDP2 (shard size dp_shard,
     1 by default; replicas dp_replicate or dp) and edgc compresses each TP rank's shards
     over its own replicate group. The world is replicas * dp_shard * tp."""
 
@@ -231,9 +231,10 @@ class TrainConfig:
     """With tp > 1: split the norms and the residual stream between the blocks on the
     sequence over the TP ranks (torch's SequenceParallel) instead of holding them whole."""
 
-    vocab_parallel: bool = False
+    vocab_parallel: bool = True
     """With tp > 1: split the token embedding and the head tied to it on the vocabulary over
-    the TP ranks (as Megatron and torchtitan do) instead of holding them whole on each."""
+    the TP ranks (as Megatron and torchtitan do); false holds them whole on each TP rank,
+    which sends more bytes at the same loss (docs/tensor-parallel.md). No effect at tp = 1."""
 
     pp: int = 1
     """Pipeline stages. With pp > 1 the GPT-2 blocks are split into pp stages
@@ -412,9 +413,8 @@ class TrainConfig:
         """Refuse (through `bad`) a tensor-parallel setting the run cannot serve."""
         from edgc.train.tensor_parallel import check_tp
 
-        for name in ("sequence_parallel", "vocab_parallel"):
-            if getattr(self, name) and self.tp == 1:
-                bad(name, "splits the model over the TP ranks: it needs tp > 1")
+        if self.sequence_parallel and self.tp == 1:
+            bad("sequence_parallel", "splits the model over the TP ranks: it needs tp > 1")
         if self.tp == 1:
             return
         try:

@@ -1,12 +1,16 @@
-"""Live progress on rank 0: a rich progress bar, or a plain line per eval when not a terminal."""
+"""Live progress on rank 0: a rich progress bar, or a plain line per eval when not a terminal.
+
+rich is imported by the display that shows something (rank 0's), so that the other
+workers start without it."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 __all__ = ["ProgressDisplay"]
 
@@ -18,9 +22,22 @@ class ProgressDisplay:
         self.enabled = enabled
         self.total = total
         self.interactive = enabled and sys.stderr.isatty()
-        self.console = Console(stderr=True)
+        self.console: Console | None = None
         self.progress: Progress | None = None
         self.val_loss: float | None = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = Console(stderr=True)
         if self.interactive:
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -41,7 +58,7 @@ class ProgressDisplay:
                 + f" | {record['phase']} rank {_ranks(record)} | {ratio:.1f}x fewer bytes")
         if self.progress is not None:
             self.progress.update(self.task, completed=step, info=info)
-        elif val_loss is not None or step == self.total:
+        elif self.console is not None and (val_loss is not None or step == self.total):
             self.console.print(f"step {step}/{self.total} {info}", highlight=False)
 
     def close(self) -> None:

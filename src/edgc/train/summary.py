@@ -6,15 +6,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from rich import box
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from edgc.train.metrics import perplexity, read_metrics
-from edgc.train.plots import plot_runs
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# (rich and matplotlib, through edgc.train.plots, are imported where a table is drawn or
+# a plot made: a training worker imports this module and needs neither to start)
 
 __all__ = ["RunSummary", "compare_loss", "load_run", "show_table", "stage_table", "summarize", "table", "table_cells",
            "write_summary"]
@@ -134,6 +134,11 @@ def show_table(summaries: list[RunSummary], console: Console | None = None) -> N
     """Print the comparison table to `console` (stdout by default). In a terminal it is
     drawn as a table, a row per run, or a column per run when the rows would not fit its
     width; elsewhere (a log, a pipe) it is the markdown of `table`, as summary.md holds it."""
+    from rich import box
+    from rich.console import Console
+    from rich.measure import Measurement
+    from rich.table import Table
+
     console = console or Console()
     if not console.is_terminal:
         console.file.write(table(summaries))
@@ -187,13 +192,20 @@ def _layout(config: dict[str, Any]) -> str:
     pp, tp = config.get("pp", 1), config.get("tp", 1)
     by_tp = f" x {tp} TP ranks" if tp > 1 else ""
     if pp > 1 and world:
-        return (f"{world} workers as {pp} pipeline stages x {_replicas(config)} replicas{by_tp} "
-                f"({config.get('schedule')}, {config.get('microbatches')} micro-batches)")
+        said = [str(config.get("schedule")), f"{config.get('microbatches')} micro-batches",
+                *(_tp_options(config) if tp > 1 else [])]
+        return f"{world} workers as {pp} pipeline stages x {_replicas(config)} replicas{by_tp} ({', '.join(said)})"
     if tp > 1 and world:
-        shard = config.get("dp_shard", 1)
+        shard, split = config.get("dp_shard", 1), _tp_options(config)
         return (f"{world} workers as {_replicas(config)} replicas x {shard} shard{'s' if shard > 1 else ''}{by_tp}"
-                + (" (sequence parallel)" if config.get("sequence_parallel") else ""))
+                + (f" ({', '.join(split)})" if split else ""))
     return f"{world} worker" + ("" if world == 1 else "s")
+
+
+def _tp_options(config: dict[str, Any]) -> list[str]:
+    """What a TP run's plan split beyond the blocks: ["vocabulary split", "sequence parallel"]."""
+    return [name for key, name in (("vocab_parallel", "vocabulary split"), ("sequence_parallel", "sequence parallel"))
+            if config.get(key)]
 
 
 def _replicas(config: dict[str, Any]) -> int | None:
@@ -234,6 +246,8 @@ def write_summary(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     config, records = load_run(run_dir)
     s = summarize(run_dir.name, config, records)
+    from edgc.train.plots import plot_runs
+
     plot_runs([(s.method, records)], run_dir)
     if _replicas(config) == 1:  # (what is counted then crosses no link: a ring of one sends nothing)
         bytes_line = "Bytes: none cross a link, with one replica.\n\n"

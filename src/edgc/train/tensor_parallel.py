@@ -9,15 +9,15 @@ The plan, per transformer block, on the 1-D "tp" mesh of T ranks:
     mlp.c_proj   RowwiseParallel
 
 The position embedding and the norms stay whole on every TP rank. The token embedding and
-the head (tied to it: one Parameter) stay whole too, or with `vocab_parallel` are split on
-the vocabulary, as Megatron and torchtitan split them: the embedding row-wise (each rank
-looks up the tokens of its V / T rows, and the outputs are summed over the TP ranks), the
-head column-wise (each rank computes the logits of its V / T tokens, gathered whole for the
-loss), and the two re-tied to the one split Parameter. With `sequence_parallel`, the norms
-and the residual stream between the blocks are split on the sequence instead (torch's
-SequenceParallel): each rank holds T_seq / T positions there, and the all-reduce at each
-row-parallel output becomes a reduce-scatter plus an all-gather before the next
-column-parallel input.
+the head (tied to it: one Parameter) are split on the vocabulary (`vocab_parallel`, the
+default; without it they stay whole on every rank), as Megatron and torchtitan split them:
+the embedding row-wise (each rank looks up the tokens of its V / T rows, and the outputs
+are summed over the TP ranks), the head column-wise (each rank computes the logits of its
+V / T tokens, gathered whole for the loss), and the two re-tied to the one split
+Parameter. With `sequence_parallel`, the norms and the residual stream between the blocks
+are split on the sequence instead (torch's SequenceParallel): each rank holds T_seq / T
+positions there, and the all-reduce at each row-parallel output becomes a reduce-scatter
+plus an all-gather before the next column-parallel input.
 
 Why c_attn's rows are reordered. GPT-2 computes q, k and v in one (3C x C) matrix whose
 rows are [q; k; v]. ColwiseParallel gives each rank a contiguous block of 3C / T rows,
@@ -71,7 +71,7 @@ def qkv_order(n_embd: int, tp: int) -> torch.Tensor:
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-             vocab_parallel: bool = False) -> None:
+             vocab_parallel: bool = True) -> None:
     """Split the blocks of a GPT (or of a pipeline stage holding `h`) over the 1-D `mesh`,
     and with `vocab_parallel` its token embedding and head, in place (see the module doc).
     Call it on a freshly built model, before fully_shard."""
@@ -105,7 +105,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
             })
         parallelize_module(block, mesh, plan)
     if vocab_parallel:
-        _split_vocabulary(model, mesh)
+        _split_vocabulary(model, mesh, sequence_parallel)
     if sequence_parallel:
         # into the blocks: the replicated embedding's output, cut on the sequence (no
         # communication); out of them: the final norm on the sequence's shards, then
@@ -114,18 +114,19 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
                                    use_local_output=True)
         parallelize_module(blocks[0], mesh, first)
         if getattr(model, "ln_f", None) is not None:
-            parallelize_module(model, mesh, {
-                "ln_f": SequenceParallel(),
-                "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                              use_local_output=True),
-            })
+            tail: dict[str, Any] = {"ln_f": SequenceParallel()}
+            if not vocab_parallel:  # (a split head gathers its input itself: _split_vocabulary)
+                tail["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                     use_local_output=True)
+            parallelize_module(model, mesh, tail)
 
 
-def _split_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
+def _split_vocabulary(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split the token embedding row-wise and the head column-wise on the vocabulary (a
     pipeline stage has either or both), and tie the head to the split embedding again
-    where the two were one Parameter."""
-    from torch.distributed.tensor import Replicate
+    where the two were one Parameter. With `sequence_parallel` the head's input arrives
+    split on the sequence (from the final norm) and is gathered whole first."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     wte, head = getattr(model, "wte", None), getattr(model, "lm_head", None)
@@ -134,7 +135,9 @@ def _split_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
     if wte is not None:
         plan["wte"] = RowwiseParallel(input_layouts=Replicate())  # (B, T) ids -> (B, T, C) summed over TP
     if head is not None:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # (B, T, V / tp) -> gathered (B, T, V)
+        # (B, T, C) -> (B, T, V / tp) -> gathered (B, T, V)
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                          output_layouts=Replicate())
     parallelize_module(model, mesh, plan)
     if tied:
         model.lm_head.weight = model.wte.weight  # type: ignore[union-attr]

@@ -46,9 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank-max", type=int, default=32, help="r_max: static PowerSGD rank and EDGC's upper bound")
     p.add_argument("--rank-min", type=int, default=None, help="r_min (default: rank-max // 4)")
     p.add_argument("--warmup-fraction", type=float, default=0.1, help="share of steps trained uncompressed")
-    p.add_argument("--tp-layout", choices=LAYOUTS, default="edgc",
-                   help="how tensor parallelism splits the model: edgc (as edgc train --tp: the embedding whole on "
-                        "every TP rank) or megatron (the embedding split on the vocabulary)")
+    p.add_argument("--tp-layout", choices=LAYOUTS, default="vocab",
+                   help="how tensor parallelism splits the model: vocab (as edgc train --tp: the token embedding and "
+                        "the head's copy on the last stage split on the vocabulary), whole (as --no-vocab-parallel: "
+                        "both whole on every TP rank) or megatron (the vocabulary split, the head's copy left out)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--edgc-mean-rank", type=float, default=None,
                        help="EDGC stage-0 rank held constant after warm-up")

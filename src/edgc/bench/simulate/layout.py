@@ -2,9 +2,9 @@
 
 `stage_gradients` splits a model's real parameter shapes (the model may live on the meta
 device) the way edgc's own tensor parallelism lays them out (edgc.train.tensor_parallel:
-the token embedding whole on every TP rank, the head's copy on the last stage), or the
-way Megatron does (the embedding split on the vocabulary), one `StageGradients` per
-pipeline stage.
+the token embedding split on the vocabulary, as Megatron splits it, or whole on every TP
+rank; with pipelines the head's copy on the last stage), one `StageGradients` per pipeline
+stage.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from edgc.models.gpt2 import GPT
 
 __all__ = ["LAYOUTS", "StageGradients", "stage_gradients"]
 
-#: The tensor-parallel layouts `stage_gradients` knows.
-LAYOUTS = ("edgc", "megatron")
+#: The tensor-parallel layouts `stage_gradients` knows: what `edgc train --tp` syncs by
+#: default ("vocab") and with --no-vocab-parallel ("whole"), and the vocabulary split
+#: with the head's copy left out ("megatron", the layout of the 2026-11-22 projections).
+LAYOUTS = ("vocab", "whole", "megatron")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def _shard(shape: torch.Size, dim: int | None, tp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def stage_gradients(model: GPT, tp: int, pp: int, layout: str = "edgc") -> list[StageGradients]:
+def stage_gradients(model: GPT, tp: int, pp: int, layout: str = "vocab") -> list[StageGradients]:
     """Return, per pipeline stage, the gradient shapes one GPU of that stage synchronises.
 
     The model's real parameters (`model` may live on the meta device), laid out as:
@@ -69,11 +71,12 @@ def stage_gradients(model: GPT, tp: int, pp: int, layout: str = "edgc") -> list[
     - qkv and fc column-parallel (output dimension and bias split), attn proj and mlp
       proj row-parallel (input dimension split, bias replicated); wpe and LayerNorms
       replicated;
-    - `layout` "edgc" (what `edgc train --tp` syncs): wte whole on every TP rank, and with
-      pp > 1 the last stage's copy of it for the head (V, C), which syncs over DP too;
-      "megatron" (a simplified Megatron): wte split over tp along the vocabulary (rounded
-      up; Megatron pads the vocabulary to a multiple of 128·tp instead), the head counted
-      once, on stage 0 (the extra sync of Megatron's copy on the last stage left out).
+    - `layout` "vocab" (what `edgc train --tp` syncs by default, and Megatron too): wte
+      split over tp along the vocabulary (V/tp rounded up; Megatron pads the vocabulary to
+      a multiple of 128·tp instead), and with pp > 1 the last stage's copy of it for the
+      head, split alike, which syncs over DP too; "whole" (`edgc train --tp
+      --no-vocab-parallel`): wte and the head's copy whole on every TP rank; "megatron"
+      (a simplified Megatron): as "vocab" with the head counted once, on stage 0.
 
     Raises ValueError if pp exceeds the number of blocks, the layout is unknown or a
     parameter has no known place. Changes nothing.
@@ -89,12 +92,11 @@ def stage_gradients(model: GPT, tp: int, pp: int, layout: str = "edgc") -> list[
     shapes: list[list[tuple[int, ...]]] = [[] for _ in range(pp)]
     head_copy: tuple[int, ...] | None = None
     for name, p in model.named_parameters():  # a tied parameter is yielded once (as wte.weight)
-        if name == "wte.weight" and layout == "megatron":
-            shapes[0].append(_shard(p.shape, 0, tp))  # (V/tp, C)
-        elif name == "wte.weight":
-            shapes[0].append(_shard(p.shape, None, tp))  # (V, C)
-            if pp > 1:
-                head_copy = _shard(p.shape, None, tp)  # (V, C), after ln_f (edgc.train.pipeline.GPTStage)
+        if name == "wte.weight":
+            shard = _shard(p.shape, None if layout == "whole" else 0, tp)  # (V, C) or (V/tp, C)
+            shapes[0].append(shard)
+            if pp > 1 and layout != "megatron":
+                head_copy = shard  # after ln_f (edgc.train.pipeline.GPTStage)
         elif name == "wpe.weight":
             shapes[0].append(_shard(p.shape, None, tp))  # (block_size, C)
         elif name.startswith("ln_f."):

@@ -104,10 +104,11 @@ class SimOptions:
     rank_multiple: int = EDGCConfig.rank_multiple
     """The stage-0 rank is rounded to a multiple of this (release: even)."""
 
-    tp_layout: str = "edgc"
-    """How tensor parallelism splits the model (edgc.bench.simulate.layout.LAYOUTS): "edgc",
-    as `edgc train --tp` does (the embedding whole on every TP rank), or "megatron" (the
-    embedding split on the vocabulary)."""
+    tp_layout: str = "vocab"
+    """How tensor parallelism splits the model (edgc.bench.simulate.layout.LAYOUTS): "vocab",
+    as `edgc train --tp` does by default (the token embedding and the head's copy split on
+    the vocabulary), "whole" (as with --no-vocab-parallel), or "megatron" (the vocabulary
+    split, the head's copy left out)."""
 
     def __post_init__(self) -> None:
         if self.rank_max < 1:

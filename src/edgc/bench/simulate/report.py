@@ -20,6 +20,16 @@ from edgc.bench.simulate.profile import CostProfile, DeviceTimer
 __all__ = ["CostOrigin", "cost_origins", "format_projection"]
 
 
+#: The report's line on each tensor-parallel layout (edgc.bench.simulate.layout.LAYOUTS).
+_TP_LAYOUT_NOTES = {
+    "vocab": "the token embedding split on the vocabulary by ceil(V/tp) (without Megatron's padding) and the "
+             "head's copy of it, split alike, synced by the last stage, as edgc train --tp does.",
+    "whole": "the token embedding whole on every TP rank and the head's copy of it synced by the last stage, as "
+             "edgc train --tp --no-vocab-parallel does.",
+    "megatron": "vocabulary split by ceil(V/tp) without Megatron's padding; tied head counted once on stage 0.",
+}
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
@@ -225,9 +235,7 @@ def format_projection(proj: Projection, profile: CostProfile) -> str:
          "pipeline activation traffic and the sum of the tied embedding's two copies between first and last "
          "stage are left out."),
         ("- layout: blocks split evenly over stages, Megatron column/row tensor-parallel splits, "
-         + ("the token embedding whole on every TP rank and the head's copy of it synced by the last stage, as "
-            "edgc train --tp does (--tp-layout megatron splits the vocabulary instead)." if o.tp_layout == "edgc" else
-            "vocabulary split by ceil(V/tp) without Megatron's padding; tied head counted once on stage 0.")),
+         + _TP_LAYOUT_NOTES[o.tp_layout]),
         ("- EDGC's rank follows a fixed schedule standing in for the entropy trajectory (no window "
          "rate limit, no error-check warm-up gate); the stage-0 rank is rounded to a multiple of "
          f"{o.rank_multiple}; DAC uses each stage's own α–β + compression-cost T(r)."),
