@@ -114,8 +114,8 @@ def test_comm_and_fsdp_never_compare_a_policy_s_name():
 
 
 def test_a_training_worker_starts_without_the_plotting_and_terminal_libraries():
-    # every worker of `edgc train` imports these modules; matplotlib and rich cost about a
-    # second a process to import and only the summary and rank 0's progress bar need them
+    # every worker of `edgc train` imports these modules; matplotlib and rich cost 0.4 s
+    # of CPU a process to import, and only the summary and rank 0's progress bar need them
     import subprocess
     import sys
 
