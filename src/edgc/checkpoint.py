@@ -14,9 +14,13 @@ or, as a file beside the framework's own checkpoint folder:
     save_states(state, folder)             # every replica calls; rank 0 writes folder/edgc_state.pt
     load_states(state, folder)             # every replica reads its own entry
 
-A job of another world size gets a ValueError that says both sizes. The functions work
-with any hook state that has state_dict() and load_state_dict() (the baselines in
-edgc.comm.baselines too); the collectives are in edgc.comm.replicas.
+A job of another world size gets a ValueError that says both sizes, unless it asks for
+the states to be resized (`resize=True`, `resize_states`): Q, the policy's state and
+every other agreed value carry over, and each new replica's error feedback is the old
+replicas' mean, which keeps the correction still to be sent (its average over the
+replicas). The functions work with any hook state that has state_dict() and
+load_state_dict() (the baselines in edgc.comm.baselines too; resizing needs EDGCState's
+states); the collectives are in edgc.comm.replicas.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from edgc.atomic import atomic_write
 from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas
+from edgc.comm.state_format import check_state
 from edgc.safeload import UnsafeFileError, load_torch
 
-__all__ = ["FILE_NAME", "gather_states", "is_torch_archive", "load_states", "read_states", "restore_state",
-           "save_states", "verify_checksums"]
+__all__ = ["FILE_NAME", "gather_states", "is_torch_archive", "load_states", "read_states", "resize_states",
+           "restore_state", "save_states", "verify_checksums"]
 
 FILE_NAME = "edgc_state.pt"
 _FORMAT = "edgc-replica-states"
@@ -52,14 +58,21 @@ def gather_states(state: Any, *, dst: int | None = 0) -> list[dict[str, Any]] | 
     return gather_replicas(state.state_dict(), dst=dst, group=_group(state))
 
 
-def restore_state(state: Any, states: list[dict[str, Any]] | None, *, src: int | None = None) -> None:
+def restore_state(state: Any, states: list[dict[str, Any]] | None, *, src: int | None = None,
+                  resize: bool = False) -> None:
     """Load this replica's own entry of `states` (as gather_states returned them) into
     `state`; call it before the first training step.
 
     src=None: every replica holds the whole list (each read the checkpoint). src=r: only
     replica r holds it, the others pass None, and it is scattered (a collective).
-    Raises ValueError when the list is from a job of another world size.
+    Raises ValueError when the list is from a job of another world size, unless `resize`:
+    then the states are first made this job's number (resize_states).
     """
+    if resize and src is None and states is not None:
+        state.load_state_dict(_resized_entry(states, _world(state), _rank(state)))
+        return
+    if resize and states is not None:
+        states = resize_states(states, _world(state))
     if src is None:
         mine = replica_entry(states, group=_group(state), what="the EDGC checkpoint")
     else:
@@ -122,18 +135,93 @@ def read_states(folder: str | Path, *, mmap: bool = False, trust: bool = False) 
     return data
 
 
-def load_states(state: Any, folder: str | Path, *, step: int | None = None, trust: bool = False) -> None:
+def load_states(state: Any, folder: str | Path, *, step: int | None = None, trust: bool = False,
+                resize: bool = False) -> None:
     """Load this replica's own state from `folder`/edgc_state.pt (save_states' file) into
     `state`; every replica reads the file. With `step`, the file must have been saved at
     that step (a check that the folder belongs to the checkpoint being resumed).
-    Raises ValueError on a corrupt file, another world size or another step, and on a file
-    that names code to run, unless `trust` (read_states)."""
+    Raises ValueError on a corrupt file, another world size (unless `resize`: the states
+    are made this job's number first, resize_states) or another step, and on a file that
+    names code to run, unless `trust` (read_states)."""
     data = read_states(folder, mmap=True, trust=trust)  # (copied below: only this replica's entry is read)
     if step is not None and data.get("step") is not None and int(data["step"]) != step:
         raise ValueError(f"the EDGC state in {str(folder)!r} was saved at step {data['step']}, and training "
                          f"resumes at step {step}")
+    if resize and isinstance(data["replicas"], list) and len(data["replicas"]) != _world(state):
+        state.load_state_dict(_resized_entry(data["replicas"], _world(state), _rank(state)))
+        return
     mine = replica_entry(data["replicas"], group=_group(state), what=f"the EDGC state file in {str(folder)!r}")
     state.load_state_dict(_own_copy(mine))
+
+
+def resize_states(states: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    """EDGCState states of one job (gather_states' list, in replica order) made into
+    `world` states, for a job that resumes on another number of replicas.
+
+    Everything the replicas agree on is taken from the first: Q, the policy's state, the
+    entropy windows, the window's gradient sums, the warm-up gate, the phase and the rank,
+    so compression goes on where it was, with no second warm-up. The error feedback is
+    each replica's own; every new replica gets the old replicas' mean (summed in float64,
+    stored in the dtype it was saved in), which keeps the average over the replicas: the
+    correction still to be sent. The counters in "stats" are the first replica's. The same
+    list is returned, unchanged, when it already has `world` states. Raises ValueError for
+    an empty list, a state that is not EDGCState's (version 1 states are upgraded), states
+    of different steps or layouts, or a world below 1. Changes nothing in `states`.
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    if isinstance(states, list) and len(states) == world:
+        return states
+    template = _resized_template(states)
+    # (each replica its own copy: a state loaded is a state its replica goes on to change)
+    return [{**_own_copy(template), "world_size": world, "replica": replica} for replica in range(world)]
+
+
+def _resized_entry(states: list[dict[str, Any]], world: int, replica: int) -> dict[str, Any]:
+    """resize_states(states, world)[replica], without building the other entries."""
+    if isinstance(states, list) and len(states) == world:
+        return states[replica]
+    return {**_own_copy(_resized_template(states)), "world_size": world, "replica": replica}
+
+
+def _resized_template(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state every resized replica starts from (resize_states), its tensors shared with
+    `states` but for the error feedback's means."""
+    if not isinstance(states, list) or not states:
+        raise ValueError("resize_states needs the non-empty list of every replica's state that gather_states gives")
+    checked = [check_state(s) for s in states]
+    first = checked[0]
+    for i, s in enumerate(checked[1:], start=1):
+        if (s["step"], s["phase"]) != (first["step"], first["phase"]):
+            raise ValueError(f"replica {i}'s EDGC state is at step {s['step']} ({s['phase']}), replica 0's at "
+                             f"step {first['step']} ({first['phase']}): they are not one checkpoint")
+        if len(s["compression"]["groups"]) != len(first["compression"]["groups"]):
+            raise ValueError(f"replica {i}'s EDGC state has {len(s['compression']['groups'])} groups, replica 0's "
+                             f"{len(first['compression']['groups'])}: they are not one job's")
+    means: list[torch.Tensor | None] = []
+    for g, group in enumerate(first["compression"]["groups"]):
+        errors = [s["compression"]["groups"][g]["error"] for s in checked]
+        if group["error"] is None or any(e is None for e in errors):
+            means.append(None)
+            continue
+        if any(e.shape != group["error"].shape for e in errors):
+            raise ValueError(f"the replicas' error feedback of group {g} differs in shape: not one job's states")
+        total = torch.zeros(group["error"].shape, dtype=torch.float64)
+        for e in errors:
+            total += e.to(torch.float64)
+        means.append((total / len(errors)).to(group["error"].dtype))
+    groups = [{**group, "error": mean} for group, mean in zip(first["compression"]["groups"], means, strict=True)]
+    return {**first, "compression": {**first["compression"], "groups": groups}}
+
+
+def _world(state: Any) -> int:
+    """The number of replicas of `state`'s process group (the default group's without one)."""
+    return dist.get_world_size(_group(state)) if dist.is_initialized() else 1
+
+
+def _rank(state: Any) -> int:
+    """This replica's rank in `state`'s process group."""
+    return dist.get_rank(_group(state)) if dist.is_initialized() else 0
 
 
 def _own_copy(obj: Any) -> Any:

@@ -711,3 +711,25 @@ def train_compiled(rank: int, world: int, config_kwargs: dict, steps: int, how: 
     n_buckets = len(reducer._get_zeros_like_grad_buckets()) if hasattr(reducer, "_get_zeros_like_grad_buckets") else -1
     return {"params": flat, "losses": losses, "ranks": ranks, "stats": state.stats(), "buckets": n_buckets,
             "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+
+
+def resize_check(rank: int, world: int, folder: str) -> dict:
+    """A job of `world` replicas resumes the EDGC states that replicas_check saved from 2
+    (at step 3, compressing): refused as they are, loaded with resize=True, then 3 more
+    steps. Returns the state as loaded, the error raised without resize, and the phase,
+    ranks and compressed steps that follow."""
+    from edgc.checkpoint import load_states
+
+    config = EDGCConfig(warmup_steps=1, window=2, max_rank=4, min_rank=2)
+    model, ddp, state, opt = _make(config)
+    try:
+        load_states(state, folder, step=3)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    load_states(state, folder, step=3, resize=True)
+    loaded = copy.deepcopy(state.state_dict())  # (the loaded tensors become the live state, which training changes)
+    _, ranks = _train(ddp, opt, state, rank, 3, 3)
+    stats = state.stats()
+    return {"loaded": loaded, "refused": refused, "ranks": ranks, "phase": stats.phase,
+            "compressed_steps": stats.compressed_steps, "step": stats.step}

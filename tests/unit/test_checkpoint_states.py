@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
-from edgc.checkpoint import FILE_NAME, gather_states, load_states, read_states, restore_state, save_states
+from edgc.checkpoint import (
+    FILE_NAME,
+    gather_states,
+    load_states,
+    read_states,
+    resize_states,
+    restore_state,
+    save_states,
+)
 from edgc.comm.buckets import sync_with_hook
 
 CONFIG = EDGCConfig(warmup_steps=1, window=2, max_rank=2, min_rank=1, iteration_sample_rate=1.0)
@@ -61,6 +69,39 @@ def test_a_file_of_another_world_size_or_step_is_refused(one_process_group, tmp_
     torch.save({**data, "replicas": two, "world_size": 2}, tmp_path / FILE_NAME)
     with pytest.raises(ValueError, match="2 replicas, and this job has 1"):
         load_states(EDGCState(None, CONFIG), tmp_path)
+
+
+def test_resized_states_share_the_agreed_values_and_average_the_error_feedback(one_process_group):
+    a, b = EDGCState(None, CONFIG), EDGCState(None, CONFIG)
+    _steps(_model(0), a, 0, 3)
+    _steps(_model(1), b, 0, 3)  # (another start: another error feedback)
+    states = [a.state_dict(), b.state_dict()]
+    three = resize_states(states, 3)
+    assert [(s["world_size"], s["replica"]) for s in three] == [(3, 0), (3, 1), (3, 2)]
+    for group, ga, gb in zip(three[1]["compression"]["groups"], *(s["compression"]["groups"] for s in states),
+                             strict=True):
+        assert torch.equal(group["q"], ga["q"])
+        if ga["error"] is not None:
+            assert torch.equal(group["error"], ((ga["error"].double() + gb["error"].double()) / 2).float())
+    assert three[2]["policy"] == states[0]["policy"] and three[0]["step"] == 3
+    # each replica its own tensors; the list given is not changed
+    three[0]["compression"]["groups"][0]["error"].add_(1.0)
+    assert not torch.equal(three[0]["compression"]["groups"][0]["error"], three[1]["compression"]["groups"][0]["error"])
+    assert states[0]["world_size"] == 1 and resize_states(states, 2) is states
+    # resize=True at the doors: a job of one replica goes on from the two
+    one = EDGCState(None, CONFIG)
+    restore_state(one, states, resize=True)
+    assert one.state_dict()["compression"]["groups"][0]["error"].equal(three[1]["compression"]["groups"][0]["error"])
+    with pytest.raises(ValueError, match="world must be at least 1"):
+        resize_states(states, 0)
+    with pytest.raises(ValueError, match="non-empty list"):
+        resize_states([], 2)
+    with pytest.raises(ValueError, match="not an EDGC state"):
+        resize_states([{"x": 1}, {"x": 2}], 1)
+    later = EDGCState(None, CONFIG)
+    _steps(_model(1), later, 0, 4)
+    with pytest.raises(ValueError, match="replica 1's EDGC state is at step 4 .*replica 0's at step 3"):
+        resize_states([states[0], later.state_dict()], 3)
 
 
 def test_a_damaged_missing_or_foreign_file_gives_a_clear_error(tmp_path):
