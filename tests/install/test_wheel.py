@@ -193,7 +193,8 @@ def test_the_wheel_installs_with_the_train_extra_and_its_commands_run(built, bar
     assert _run([edgc, "--version"], cwd=work).strip() == f"edgc {here.__version__}"
     assert "train" in _run([edgc, "--help"], cwd=work)
 
-    out = _run([edgc, "train", "--steps", "5"], cwd=work)  # (its run folder: runs/edgc)
+    # (its run folder: runs/edgc; one evaluation, at the end, instead of one a step)
+    out = _run([edgc, "train", "--steps", "5", "--eval-every", "5"], cwd=work)
     run = work / "runs" / "edgc"
     assert "run folder:" in out
     for name in ("config.json", "metrics.jsonl", "summary.md", "checkpoint.pt"):
