@@ -33,8 +33,8 @@ from edgc.policy.registry import REMOVED, policy_class, policy_names
 from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
-__all__ = ["ADDED_FIELDS", "MAX_RANK", "SECTIONS", "SEED_LIMIT", "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS",
-           "EDGCConfig", "pipeline_refusal", "upgrade_config_v1", "with_added_fields"]
+__all__ = ["ADDED_FIELDS", "MAX_RANK", "REMOVED_FIELDS", "SECTIONS", "SEED_LIMIT", "STATE_DTYPES", "SYNC_MODES",
+           "WIRE_FORMATS", "EDGCConfig", "pipeline_refusal", "upgrade_config_v1", "with_added_fields"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
@@ -202,13 +202,6 @@ class EDGCConfig:
     "native" (the gradient's own dtype, as torch's PowerSGD hook sends). The error
     feedback keeps what the factors' rounding loses. docs/config.md says why int8."""
 
-    alternate: bool = False
-    """One round trip per compressed step instead of two (after ACP-SGD): each step
-    computes one factor against the other, kept from the step before and
-    orthonormalised (P = M Q on one step, Q = M^T P on the next) and sums only it, so a
-    step sends about half the bytes in one collective instead of two. The error feedback
-    keeps what each step's reconstruction leaves out. Needs warm_start."""
-
     state_dtype: str = "native"
     """The dtype the error feedback and the warm-start Q are kept in between steps:
     "native" (the working dtype: float32 for float32, bf16 and fp16 gradients) or "bf16"
@@ -305,8 +298,6 @@ class EDGCConfig:
             bad("long_rank_factor", "must be a number in (0, 16] (1: one rank for every matrix)")
         if self.min_unit_mb < 0:
             bad("min_unit_mb", "must be a non-negative number (MB)")
-        if self.alternate and not self.warm_start:
-            bad("alternate", "needs warm_start=True: each step projects on the factor the step before kept")
         if self.wire == "fp8" and not hasattr(torch, "float8_e4m3fn"):
             bad("wire", f"needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; use \"int8\"")
         if not 0 <= self.seed < SEED_LIMIT:
@@ -368,17 +359,30 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
 ADDED_FIELDS: dict[str, Any] = {"long_rank_factor": 1.0}
 
 
+#: Fields removed since they were saved, with the value that behaves as today: a saved
+#: config holding that value loads without it; any other value cannot resume.
+REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
+    "alternate": (False, "the alternating mode (one factor a step) was removed in edgc 0.2.0: it ended 0.117 nats "
+                         "behind static rank 32 (BENCHMARKS.md)"),
+}
+
+
 def with_added_fields(values: dict[str, Any]) -> dict[str, Any]:
     """A saved EDGCConfig mapping (nested or flat) with each field it predates
-    (ADDED_FIELDS) set to the value it ran with."""
-    return {**ADDED_FIELDS, **values}
+    (ADDED_FIELDS) set to the value it ran with, and each field since removed
+    (REMOVED_FIELDS) left out; raises ValueError when a removed field was on."""
+    out = {**ADDED_FIELDS, **values}
+    for name, (inert, why) in REMOVED_FIELDS.items():
+        if name in out and out.pop(name) != inert:
+            raise ValueError(f"this state or run was saved with {name}={values[name]!r}, which cannot resume: {why}")
+    return out
 
 
 #: What a config saved by edgc 0.1 ran with where it lacks a key: fields added during
 #: 0.1 had no effect before they existed ("whole-step" was the only sync mode, and the
 #: warm-up was fixed).
 _V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False,
-                                "wire": "native", "state_dtype": "native", "alternate": False,
+                                "wire": "native", "state_dtype": "native",
                                 "noise_exponent": 0.5, **ADDED_FIELDS}
 #: edgc 0.1's flat names whose 0.2 name differs (the rest keep theirs: noise_exponent, ...).
 _V1_RENAMED = {"lr_drop_factor": "critical_lr_drop_factor", "entropy_smoothing": "cqm_smoothing",

@@ -135,33 +135,6 @@ def test_nonfinite_quantized_step_is_skipped_on_every_replica():
 
 
 @pytest.mark.parametrize("wire", ["native", "int8"])
-def test_alternating_sends_one_factor_a_step_and_keeps_the_invariant(wire):
-    out = run_workers(wire_workers.error_feedback_invariant, 2, wire, "native", 6, True)
-    both = run_workers(wire_workers.error_feedback_invariant, 2, wire, "native", 6, False)
-    for r in out:
-        assert r["checked"] == 5
-        assert r["worst"] < 1e-12
-    assert torch.equal(out[0]["params"], out[1]["params"])
-    for a, b in zip(out[0]["sent"], out[1]["sent"], strict=True):
-        assert torch.equal(a, b)
-    # (the warm-up step and the biases travel whole in both; the factors about half)
-    assert out[0]["bytes"] - WHOLE_BYTES < 0.6 * (both[0]["bytes"] - WHOLE_BYTES)
-
-
-@pytest.mark.parametrize("wire", ["native", "int8"])
-def test_alternating_replicas_identical_and_resume_exactly(wire):
-    results = run_workers(workers.train_and_report, 2, dict(DYNAMIC, wire=wire, alternate=True), 40, timeout=240)
-    first, other = results
-    assert len({r for r in first["ranks"] if r > 0}) >= 2, f"rank never changed: {first['ranks']}"
-    assert torch.equal(first["params"], other["params"])
-    assert sum(first["losses"][-5:]) < 0.5 * sum(first["losses"][:5])
-    out = run_workers(workers.resume_check, 2, dict(DYNAMIC, wire=wire, alternate=True), 21, timeout=240)
-    for r in out:
-        assert r["resumed"] == r["straight"]
-        assert torch.equal(r["resumed_params"], r["straight_params"])
-
-
-@pytest.mark.parametrize("wire", ["native", "int8"])
 def test_rank_calibration_probes_in_the_wire_format(wire):
     # max_rank=None: a warm-up step also times a compressed round at a probe rank, whose P
     # and Q must travel as the compressed steps' will (else it weighs float bytes against

@@ -13,18 +13,16 @@ from edgc.comm.wire import BLOCK, codec, dequantize, quantize
 SHAPES = ((24, 16), (16, 10), (12, 30), (9,))
 
 
-def error_feedback_invariant(rank: int, world: int, wire: str, state_dtype: str, steps: int,
-                             alternate: bool = False) -> dict:
+def error_feedback_invariant(rank: int, world: int, wire: str, state_dtype: str, steps: int) -> dict:
     """Float64 parameters synchronised through edgc_hook at a fixed rank in format `wire`.
     At every compressed step, for every compressed matrix: what was sent (the average
     handed back) plus what this replica kept (its new error feedback) against its own
     gradient plus what it kept before. Returns the worst difference, relative to the
-    largest input, the steps checked, the averages sent and the bytes. `alternate`: one
-    factor a step (EDGCConfig.alternate)."""
+    largest input, the steps checked, the averages sent and the bytes."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in SHAPES]
     config = EDGCConfig(policy="static", max_rank=3, warmup="fixed", warmup_steps=1, min_compression_rate=1.0,
-                        wire=wire, state_dtype=state_dtype, alternate=alternate)
+                        wire=wire, state_dtype=state_dtype)
     state = EDGCState(None, config)
     by_shape = {tuple(p.shape) if p.dim() == 2 else None: p for p in params}
     worst, checked, sent = 0.0, 0, []

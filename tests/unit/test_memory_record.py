@@ -8,13 +8,13 @@ from edgc.comm.buckets import sync_with_hook
 from edgc.train.trainer import memory_record
 
 
-@pytest.mark.parametrize("alternate,state_dtype", [(False, "native"), (True, "bf16")])
-def test_state_mb_counts_parameters_optimiser_and_compression_state(alternate, state_dtype):
+@pytest.mark.parametrize("state_dtype", ["native", "bf16"])
+def test_state_mb_counts_parameters_optimiser_and_compression_state(state_dtype):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Linear(24, 16))
     opt = torch.optim.Adam(model.parameters())
     state = EDGCState(None, EDGCConfig(policy="static", max_rank=4, warmup="fixed", warmup_steps=1,
-                                       alternate=alternate, state_dtype=state_dtype))
+                                       state_dtype=state_dtype))
     for _ in range(3):
         model.zero_grad()
         model(torch.randn(8, 32)).square().mean().backward()
@@ -23,9 +23,9 @@ def test_state_mb_counts_parameters_optimiser_and_compression_state(alternate, s
     groups = list(state.sync.compression.groups.values())
     assert len(groups) == 2
     size = 2 if state_dtype == "bf16" else 4
-    # per matrix (m x n at rank 4): Q (n x 4), the error feedback's two buffers (m x n each)
-    # and, alternating, P (m x 4); and the step's workspace
-    compression = sum(size * (n * 4 + 2 * m * n + (m * 4 if alternate else 0)) for m, n in ((24, 32), (16, 24)))
+    # per matrix (m x n at rank 4): Q (n x 4) and the error feedback's two buffers (m x n
+    # each); and the step's workspace
+    compression = sum(size * (n * 4 + 2 * m * n) for m, n in ((24, 32), (16, 24)))
     compression += state.sync.compression.workspace.nbytes
     assert state.stats().state_bytes == compression
     params = sum(p.numel() * 4 for p in model.parameters())

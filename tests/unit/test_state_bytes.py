@@ -31,7 +31,7 @@ def _reachable_bytes(root, exclude):
 
 
 @pytest.mark.parametrize("options", [
-    dict(policy="noise"), dict(policy="critical"), dict(policy="static", alternate=True),
+    dict(policy="noise"), dict(policy="critical"), dict(policy="static", wire="native"),
     dict(policy="static", state_dtype="bf16"),
 ])
 def test_state_bytes_is_every_tensor_the_state_holds(options):

@@ -9,6 +9,7 @@ import torch
 from edgc import EDGCConfig
 from edgc.comm.units import Group, factor_buffers
 from edgc.comm.wire import BLOCK, codec, column_length, dequantize, quantize, quantized_bytes, wire_bytes
+from edgc.config import with_added_fields
 
 
 @pytest.mark.parametrize("n", [1, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
@@ -85,6 +86,13 @@ def test_byte_counts():
 def test_config_refusals():
     with pytest.raises(ValueError, match="wire"):
         EDGCConfig(max_rank=8, wire="int4")
-    with pytest.raises(ValueError, match="alternate.*warm_start"):
-        EDGCConfig(max_rank=8, alternate=True, warm_start=False)
-    assert EDGCConfig.from_dict(EDGCConfig(wire="fp8", alternate=True).to_flat()).wire == "fp8"
+    assert EDGCConfig.from_dict(EDGCConfig(wire="fp8").to_flat()).wire == "fp8"
+
+
+def test_a_saved_config_of_the_removed_alternating_mode_loads_only_where_it_was_off():
+    saved = {**EDGCConfig(wire="fp8").to_flat(), "alternate": False}
+    assert EDGCConfig.from_dict(with_added_fields(saved)) == EDGCConfig(wire="fp8")
+    with pytest.raises(ValueError, match="saved with alternate=True, which cannot resume: the alternating mode"):
+        with_added_fields({**saved, "alternate": True})
+    with pytest.raises(ValueError, match="alternate"):  # (a config written today: no such field)
+        EDGCConfig.from_dict({"alternate": False})

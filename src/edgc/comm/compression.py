@@ -69,7 +69,6 @@ class CompressionState:
         self._unit_plans: dict[tuple[bool, tuple[int, ...]], UnitPlan] = {}
         self._sample_at: tuple[float, list[int], torch.dtype] | None = None
         self.residual_pending = False  # the error feedback may hold a residual not yet sent
-        self.p_next = True  # alternating (EDGCConfig.alternate): the next compressed step computes P
         self.workspace = Workspace()  # a step's large temporaries, reused across units and steps
         # a loaded state, until the tensors are seen: the shapes to check and the groups to restore
         self.expected_shapes: list[tuple[int, ...]] | None = None
@@ -178,11 +177,11 @@ class CompressionState:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the state holds: every group's Q, error feedback (both buffers) and P
-        (alternating), each storage counted once, and the workspace."""
+        """The bytes the state holds: every group's Q and error feedback (both buffers),
+        each storage counted once, and the workspace."""
         storages: dict[int, int] = {}
         for g in self.groups.values():
-            for t in (g.q, g.error, g.spare, g.p):
+            for t in (g.q, g.error, g.spare):
                 if t is not None:
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values()) + self.workspace.nbytes
@@ -212,7 +211,6 @@ class CompressionState:
                 self.uncompressed_slots.append(s)
         device = grads[0].device
         self.groups = {}
-        self.p_next = True
         self._unit_plans = {}
         for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
             slots = members[(m, n, dtype)]
@@ -240,8 +238,6 @@ class CompressionState:
             kept = self.kept_dtype(dtype)
             error = None if g["error"] is None else g["error"].to(device=device, dtype=kept)
             group = Group(shape, list(g["slots"]), g["q"].to(device=device, dtype=kept), error, dtype)
-            if g.get("p") is not None:
-                group.p = g["p"].to(device=device, dtype=kept)
             self.groups[group.key] = group
         self.pending_groups = None
         self._unit_plans = {}
@@ -257,8 +253,6 @@ class CompressionState:
         for g in self.groups.values():
             r = self.group_rank(g.shape, rank)
             g.q = resize_q(g.q, r, self.generator)
-            if g.p is not None:  # (alternating: the kept P alike; new columns random)
-                g.p = resize_q(g.p, r, self.generator)
 
     def redraw_q(self) -> None:
         """A fresh random Q for every group (EDGCConfig.warm_start off)."""
@@ -281,24 +275,19 @@ class CompressionState:
             g.error.zero_()
 
     def commit(self, next_error: Mapping[int, torch.Tensor], next_q: Mapping[int, torch.Tensor],
-               dead: Sequence[torch.Tensor], dead_counts: Sequence[int],
-               next_p: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Keep a finite compressed step's new error feedback and Q (and, alternating, P)
-        by group column, and redraw the all-zero Q matrices (`dead`, (B,) masks,
-        `dead_counts` of them), which would stay zero forever. Q is replica-identical after
-        its all-reduce, so every replica redraws the same ones."""
+               dead: Sequence[torch.Tensor], dead_counts: Sequence[int]) -> None:
+        """Keep a finite compressed step's new error feedback and Q by group column, and
+        redraw the all-zero Q matrices (`dead`, (B,) masks, `dead_counts` of them), which
+        would stay zero forever. Q is replica-identical after its all-reduce, so every
+        replica redraws the same ones."""
         for c, g in enumerate(self.groups.values()):
             if g.error is not None:  # (the spare buffer the step wrote: the two swap)
                 g.error, g.spare = next_error[c], g.error
             g.q = next_q[c]
-            if next_p is not None:
-                g.p = next_p[c]
             if dead_counts[c]:
                 g.q[dead[c]] = draw_q(dead_counts[c], g.q.shape[1], g.q.shape[2], self.generator, dtype=g.q.dtype,
                                       device=g.q.device)
         self.residual_pending = True
-        if next_p is not None:
-            self.p_next = not self.p_next
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -321,13 +310,11 @@ class CompressionState:
                     "slots": list(g.slots),
                     "q": cpu(g.q),
                     "error": None if g.error is None else cpu(g.error),
-                    "p": None if g.p is None else cpu(g.p),
                 }
                 for g in self.groups.values()
             ],
             "generator": self.generator.get_state(),
             "residual_pending": self.residual_pending,
-            "p_next": self.p_next,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -341,7 +328,6 @@ class CompressionState:
         self.pending_groups = d["groups"]
         self.generator.set_state(d["generator"])
         self.residual_pending = bool(d["residual_pending"])
-        self.p_next = bool(d.get("p_next", True))  # (absent before the alternating mode)
 
     def restore_declared(self, device: torch.device) -> None:
         """Eager adapters, at the first step: the loaded groups on `device`, in the dtype

@@ -60,7 +60,7 @@ class EDGCStats:
     # (edgc.comm.windowgrad); nan with one replica, or before the first window end
     noise_scale: float = math.nan
     # bytes this replica's compression state holds now: Q, the error feedback (its two
-    # buffers), P when alternating, the step's workspace (CompressionState.nbytes) and the
+    # buffers), the step's workspace (CompressionState.nbytes) and the
     # window's sums of the averaged gradient's sample (WindowGradient.nbytes); the model's
     # parameters and gradients are not in it. 0 before compression starts (but for those sums)
     state_bytes: int = 0

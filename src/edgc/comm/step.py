@@ -174,8 +174,7 @@ class _Part:
 
     plan: PartPlan
     m: torch.Tensor  # (B', m, n) M = G + error, then the new error; working dtype
-    q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on (alternating, P's step: orthonormal)
-    p_in: torch.Tensor | None = None  # (B', m, r) alternating, Q's step: the kept P, orthonormal
+    q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on
     p: torch.Tensor | None = None  # (B', m, r) working dtype
     p_send: torch.Tensor | None = None  # the same on the wire (a view of the unit's P buffer)
     q: torch.Tensor | None = None  # (B', n, r)
@@ -213,9 +212,6 @@ class StepSync:
         self.whole = config.sync_mode == "whole-step" and not eager
         self.wire = config.wire
         self.align = alignment(config.wire)  # (a quantized block never spans two tensors)
-        # alternating (EDGCConfig.alternate): which factor this step computes and sums,
-        # 0: P (against the kept Q), 1: Q (against the kept P); None: both, in two rounds
-        self.side = (0 if compression.p_next else 1) if config.alternate and info.compressed else None
         self.device = collectives.device
         self.call = 0
         self.buckets: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] = []
@@ -234,7 +230,7 @@ class StepSync:
         plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
         self.units: list[tuple[int, ...]] = [] if (self.whole or not plan) else list(plan)
         if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
-            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, config.wire, self.side)
+            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, config.wire)
             self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
         self.bucket_units = not self.whole and not plan  # the buckets are the units
         # eager: the warm-up check's sums over the local gradient, buffer by buffer
@@ -254,7 +250,6 @@ class StepSync:
                 self.average = torch.empty(offsets[-1], dtype=dtype, device=self.device)
         self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
         self.next_q: dict[int, torch.Tensor] = {}
-        self.next_p: dict[int, torch.Tensor] = {}  # (alternating only)
 
     # ------------------------------------------------------------------ the framework's side
 
@@ -366,7 +361,7 @@ class StepSync:
             r = self._start(self.units[self.started])
             self.started += 1
             r.call = self.call
-            (self.in_p if r.parts and self.side is None else self.in_q).append(r)
+            (self.in_p if r.parts else self.in_q).append(r)
 
     def _done(self, slots: Sequence[int]) -> None:
         """These slots hold their average: complete the futures of buckets now averaged."""
@@ -384,9 +379,7 @@ class StepSync:
         plan = self.compression.unit_plan(unit, self.groups, self.device)
         r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed, self.align))
         r.parts = [self._project_p(part) for part in plan.parts]
-        if r.parts and self.side is not None:
-            self._start_alternate(r)
-        elif r.parts:
+        if r.parts:
             r.p_flats, works, sends = _factor_buffers(r.parts, 0, self.device, self.wire)
             for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
@@ -398,22 +391,6 @@ class StepSync:
         r.works = [self._sum(flat) for flat, _ in r.flats]
         r.works += [self._sum(flat) for flat in r.p_flats]
         return r
-
-    def _start_alternate(self, r: _Round) -> None:
-        """Alternating: project M on the kept factor (orthonormalised), P = M Q or Q = M^T P,
-        into the buffers to send (the unit's P buffers, whichever factor it is)."""
-        assert self.side is not None  # (an alternating step)
-        r.p_flats, works, sends = _factor_buffers(r.parts, self.side, self.device, self.wire)
-        for part, free, send in zip(r.parts, works, sends, strict=True):
-            if self.side == 0:
-                part.p, part.p_send, part.q = free, send, part.q_in
-                project_p(part.m, part.q_in, out=free)
-            else:
-                assert part.p_in is not None  # (set by _project_p on Q's steps)
-                part.q, part.q_send, part.p = free, send, part.p_in
-                project_q(part.m, part.p_in, out=free)
-            if send is not free:
-                send.copy_(free)  # (to the wire dtype)
 
     def _project_p(self, part: PartPlan) -> _Part:
         """M = G + error for a unit's matrices of one group, written where the group's new
@@ -432,16 +409,8 @@ class StepSync:
             else:
                 m = self._stack(part.column, views, work)
             m.add_(_take(g.error, index), alpha=info.scale)  # (the residual is kept unscaled)
-        q_in = _take(g.q, index).to(work)
-        # (.to: Q kept in bf16 is worked on in the working dtype)
-        if self.side is None:
-            return _Part(part, m, q_in)
-        # alternating: the kept factor, orthonormalised (a copy: the kept one stays as it is)
-        if self.side == 0:
-            return _Part(part, m, orthogonalize_(q_in.clone()))
-        assert g.p is not None  # (kept since the step that compressed first, which computes P)
-        p_in = _take(g.p, index).to(work)
-        return _Part(part, m, q_in, orthogonalize_(p_in.clone()))
+        q_in = _take(g.q, index).to(work)  # (.to: Q kept in bf16 is worked on in the working dtype)
+        return _Part(part, m, q_in)
 
     def _stack(self, column: int, views: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
         """A part's matrices stacked, (B', m, n) in the working dtype. Eager (one unit in
@@ -483,22 +452,15 @@ class StepSync:
         new error feedback and Q aside (committed at the end of the step)."""
         info, world = self.info, self.collectives.world_size
         self.collectives.wait(r.works, self.step_comm)
-        if (info.compressed or info.watch_average) and (not r.parts or self.side is not None):
+        if (info.compressed or info.watch_average) and not r.parts:
             for flat in [*(f for f, _ in r.flats), *r.p_flats]:
                 self.ok &= torch.isfinite(flat).all()
         for part in r.parts:
             g, index = part.plan.group, part.plan.index
-            assert part.p is not None and part.q is not None  # (set by _finish_p or _start_alternate)
-            if self.side == 0:  # (alternating: P was summed)
-                assert part.p_send is not None
-                if part.p_send is not part.p:
-                    part.p.copy_(part.p_send)
-                part.p.div_(world)
-            else:
-                assert part.q_send is not None
-                if part.q_send is not part.q:
-                    part.q.copy_(part.q_send)
-                part.q.div_(world)
+            assert part.p is not None and part.q is not None and part.q_send is not None  # (set by _finish_p)
+            if part.q_send is not part.q:
+                part.q.copy_(part.q_send)
+            part.q.div_(world)
             # M_hat (B', m, n): straight into the gradient when it is one matrix in the
             # working dtype, else into the workspace and copied out
             first = self.grads[part.plan.slots[0]]
@@ -517,11 +479,6 @@ class StepSync:
             if part.plan.column not in self.next_q:
                 self.next_q[part.plan.column] = torch.empty_like(g.q)
             _put(self.next_q[part.plan.column], index, part.q)
-            if self.side is not None:
-                if part.plan.column not in self.next_p:  # (kept in Q's dtype)
-                    self.next_p[part.plan.column] = torch.empty((len(g.slots), g.shape[0], g.q.shape[-1]),
-                                                                dtype=g.q.dtype, device=g.q.device)
-                _put(self.next_p[part.plan.column], index, part.p)
         for flat, slots in r.flats:
             flat.div_(world)
             scatter(flat, [self.grads[s] for s in slots], self.align)
@@ -562,8 +519,7 @@ class StepSync:
         flags = torch.stack([self.ok.long(), *(d.sum() for d in dead)]).tolist()
         if not flags[0]:
             return False
-        self.compression.commit(self.next_error, self.next_q, dead, flags[1:],
-                                self.next_p if self.side is not None else None)
+        self.compression.commit(self.next_error, self.next_q, dead, flags[1:])
         return True
 
 

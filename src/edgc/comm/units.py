@@ -33,7 +33,6 @@ class Group:
     q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
     error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
     dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
-    p: torch.Tensor | None = None  # (B, m, r) alternating (EDGCConfig.alternate): the last P, replica-identical
     spare: torch.Tensor | None = None  # (B, m, n) the error's second buffer: a step writes the new error here
 
     def spare_error(self) -> torch.Tensor:
@@ -90,19 +89,17 @@ def scatter(flat: torch.Tensor, outs: list[torch.Tensor], align: int = 1) -> Non
 
 
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
-                    groups: Sequence[Group], wire: str = "native", side: int | None = None) -> list[int]:
+                    groups: Sequence[Group], wire: str = "native") -> list[int]:
     """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
-    of P and Q, each column padded to a block in a quantized format: `column_length`;
-    alternating, m * r for P's step, `side` 0, or n * r for Q's, 1) for a
-    matrix of `groups`, r being its group's q.shape[-1], in wire format `wire`
+    of P and Q, each column padded to a block in a quantized format: `column_length`)
+    for a matrix of `groups`, r being its group's q.shape[-1], in wire format `wire`
     (edgc.comm.wire.wire_bytes), and numel elements in that format for any other slot
     (sent whole). `groups` empty: a step sent uncompressed."""
     sizes = [wire_bytes(math.prod(shape), dtype.itemsize, wire) for shape, dtype in zip(slot_shapes, slot_dtypes,
                                                                                           strict=True)]
     for g in groups:
         for s in g.slots:
-            sides = g.shape if side is None else (g.shape[side],)
-            rows = sum(column_length(k, wire) for k in sides)
+            rows = sum(column_length(k, wire) for k in g.shape)
             sizes[s] = wire_bytes(rows * g.q.shape[-1], g.dtype.itemsize, wire)
     return sizes
 
