@@ -139,8 +139,9 @@ def test_warmup_ends_at_the_first_error_check_that_passes_measured_module_by_mod
     assert all(r["ranks"] == [0] * 6 for r in capped)
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["fp8"])
 def test_quantized_modes_compress_and_resume_exactly(wire):
+    # (int8, the default wire, is what every other test here compresses and resumes in)
     config = dict(BASE, policy="noise", wire=wire, state_dtype="bf16")
     full = run_workers(fsdp_workers.train, 4, "edgc", dict(BASE, policy="noise", wire="native"), 10, timeout=300)
     out = run_workers(fsdp_workers.train, 4, "edgc", config, 10, timeout=300)

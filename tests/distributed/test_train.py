@@ -133,8 +133,9 @@ def test_under_torchrun(tmp_path, data_dir):
     assert (out / "summary.md").is_file()
 
 
-@pytest.mark.parametrize("extra", [["--edgc-wire", "int8"], ["--edgc-wire", "fp8", "--edgc-state-dtype", "bf16"]])
+@pytest.mark.parametrize("extra", [["--edgc-wire", "fp8", "--edgc-state-dtype", "bf16"]])
 def test_quantized_modes_train_and_resume_exactly(tmp_path, data_dir, extra):
+    # (int8, the default wire, is what test_resume_continues_exactly resumes)
     common = ["--method", "edgc", "--steps", "12", "--eval-every", "6", "--checkpoint-every", "6",
               "--edgc-warmup", "fixed", "--edgc-warmup-steps", "3", "--edgc-window", "2", *extra]
     straight, part, full = tmp_path / "straight", tmp_path / "part", tmp_path / "full"
