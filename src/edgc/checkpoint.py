@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from edgc.atomic import atomic_write
-from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas
+from edgc.comm.replicas import gather_replicas, replica_entry, scatter_replicas, world_and_rank
 from edgc.comm.state_format import check_state
 from edgc.safeload import UnsafeFileError, load_torch
 
@@ -68,11 +67,12 @@ def restore_state(state: Any, states: list[dict[str, Any]] | None, *, src: int |
     Raises ValueError when the list is from a job of another world size, unless `resize`:
     then the states are first made this job's number (resize_states).
     """
+    world, rank = world_and_rank(_group(state))
     if resize and src is None and states is not None:
-        state.load_state_dict(_resized_entry(states, _world(state), _rank(state)))
+        state.load_state_dict(_resized_entry(states, world, rank))
         return
     if resize and states is not None:
-        states = resize_states(states, _world(state))
+        states = resize_states(states, world)
     if src is None:
         mine = replica_entry(states, group=_group(state), what="the EDGC checkpoint")
     else:
@@ -147,8 +147,9 @@ def load_states(state: Any, folder: str | Path, *, step: int | None = None, trus
     if step is not None and data.get("step") is not None and int(data["step"]) != step:
         raise ValueError(f"the EDGC state in {str(folder)!r} was saved at step {data['step']}, and training "
                          f"resumes at step {step}")
-    if resize and isinstance(data["replicas"], list) and len(data["replicas"]) != _world(state):
-        state.load_state_dict(_resized_entry(data["replicas"], _world(state), _rank(state)))
+    world, rank = world_and_rank(_group(state))
+    if resize and isinstance(data["replicas"], list) and len(data["replicas"]) != world:
+        state.load_state_dict(_resized_entry(data["replicas"], world, rank))
         return
     mine = replica_entry(data["replicas"], group=_group(state), what=f"the EDGC state file in {str(folder)!r}")
     state.load_state_dict(_own_copy(mine))
@@ -173,15 +174,20 @@ def resize_states(states: list[dict[str, Any]], world: int) -> list[dict[str, An
     if isinstance(states, list) and len(states) == world:
         return states
     template = _resized_template(states)
-    # (each replica its own copy: a state loaded is a state its replica goes on to change)
-    return [{**_own_copy(template), "world_size": world, "replica": replica} for replica in range(world)]
+    return [_entry(template, world, replica) for replica in range(world)]
 
 
 def _resized_entry(states: list[dict[str, Any]], world: int, replica: int) -> dict[str, Any]:
     """resize_states(states, world)[replica], without building the other entries."""
     if isinstance(states, list) and len(states) == world:
         return states[replica]
-    return {**_own_copy(_resized_template(states)), "world_size": world, "replica": replica}
+    return _entry(_resized_template(states), world, replica)
+
+
+def _entry(template: dict[str, Any], world: int, replica: int) -> dict[str, Any]:
+    """Replica `replica` of `world`'s state, a copy of `template` (each replica its own
+    tensors: a state loaded is a state its replica goes on to change)."""
+    return {**_own_copy(template), "world_size": world, "replica": replica}
 
 
 def _resized_template(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,16 +218,6 @@ def _resized_template(states: list[dict[str, Any]]) -> dict[str, Any]:
         means.append((total / len(errors)).to(group["error"].dtype))
     groups = [{**group, "error": mean} for group, mean in zip(first["compression"]["groups"], means, strict=True)]
     return {**first, "compression": {**first["compression"], "groups": groups}}
-
-
-def _world(state: Any) -> int:
-    """The number of replicas of `state`'s process group (the default group's without one)."""
-    return dist.get_world_size(_group(state)) if dist.is_initialized() else 1
-
-
-def _rank(state: Any) -> int:
-    """This replica's rank in `state`'s process group."""
-    return dist.get_rank(_group(state)) if dist.is_initialized() else 0
 
 
 def _own_copy(obj: Any) -> Any:

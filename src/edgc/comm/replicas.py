@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["blobs_as_tensors", "gather_replicas", "replica_entry", "scatter_replicas", "tensors_digest"]
+__all__ = ["blobs_as_tensors", "gather_replicas", "replica_entry", "scatter_replicas", "tensors_digest",
+           "world_and_rank"]
 
 
-def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(world size, this process's rank) in `group`; (1, 0) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
@@ -41,7 +42,7 @@ def gather_replicas(mine: Any, *, dst: int | None = 0, group: dist.ProcessGroup 
     replica whose group rank is `dst` and None on the others; with dst=None, every
     replica gets the list (each then holds world × payload in memory). Changes nothing.
     """
-    world, rank = _world_and_rank(group)
+    world, rank = world_and_rank(group)
     if world == 1:
         return [mine]
     if dst is None:
@@ -73,7 +74,7 @@ def replica_entry(entries: Any, *, group: dist.ProcessGroup | None = None, what:
     """This replica's own entry of `entries` (every replica's, in rank order, as
     gather_replicas returns them). Raises ValueError when the list was written by a job
     of another world size, saying both sizes; `what` names the source in the message."""
-    world, rank = _world_and_rank(group)
+    world, rank = world_and_rank(group)
     if not isinstance(entries, (list, tuple)):
         raise ValueError(f"{what} holds no per-replica list (got {type(entries).__name__}); it was not written by "
                          "gather_replicas or edgc.checkpoint")
@@ -89,7 +90,7 @@ def scatter_replicas(entries: list[Any] | None, *, src: int = 0, group: dist.Pro
     (the others pass None), and each replica gets its own back. For a checkpoint that
     only one replica can read. A collective; when the list's length is not the world
     size, every replica raises the ValueError of replica_entry (none is left waiting)."""
-    world, rank = _world_and_rank(group)
+    world, rank = world_and_rank(group)
     if world == 1:
         return replica_entry(entries, group=group)
     count = [len(entries) if rank == src and isinstance(entries, (list, tuple)) else -1]

@@ -223,9 +223,10 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks per model replica: torch's DTensor tensor parallelism splits
     each GPT-2 block's attention heads and MLP over T adjacent workers (and the token
-    embedding and head on the vocabulary: vocab_parallel). With T > 1 the model goes through FSDP2 (shard size dp_shard,
-    1 by default; replicas dp_replicate or dp) and edgc compresses each TP rank's shards
-    over its own replicate group. The world is replicas * dp_shard * tp."""
+    embedding and head on the vocabulary: vocab_parallel). With T > 1 the model goes
+    through FSDP2 (shard size dp_shard, 1 by default; replicas dp_replicate or dp) and edgc
+    compresses each TP rank's shards over its own replicate group. The world is replicas *
+    dp_shard * tp."""
 
     sequence_parallel: bool = False
     """With tp > 1: split the norms and the residual stream between the blocks on the
