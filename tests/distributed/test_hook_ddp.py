@@ -79,8 +79,8 @@ def test_warmup_matches_plain_ddp_average():
     plain = run_workers(workers.train_plain, 2, 8, timeout=240)
     torch.testing.assert_close(hooked[0]["params"], plain[0]["params"], rtol=1e-5, atol=1e-6)
     stats = hooked[0]["stats"]
-    # alpha = 1: one 6 x float64 control all-reduce per step on top of the gradient
-    assert stats.bytes_sent == stats.bytes_uncompressed + 8 * 48
+    # alpha = 1: one 7 x float64 control all-reduce per step on top of the gradient
+    assert stats.bytes_sent == stats.bytes_uncompressed + 8 * 56
 
 
 def test_warmup_error_check_measures_in_the_chosen_norm():

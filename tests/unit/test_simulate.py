@@ -287,8 +287,8 @@ def test_simulate_hand_cluster():
     first = proj.method("edgc").first
     assert first.stages[0].entropy_s == pytest.approx(0.1 * 1e-9 * numel0, rel=1e-12)  # α * per-element cost
     # the uncompressed stage 1 is now the critical path: its sync (with the amortised entropy
-    # estimate and 48-byte control all-reduce) minus its 1 ms head start
-    t1 = ring(numel1) + 0.1 * (1e-9 * numel1 + ring_allreduce_time(48, 2, 1e8, 1e-5))
+    # estimate and 56-byte control all-reduce) minus its 1 ms head start
+    t1 = ring(numel1) + 0.1 * (1e-9 * numel1 + ring_allreduce_time(56, 2, 1e8, 1e-5))
     assert first.critical_stage == 1
     assert first.exposed_s == pytest.approx(t1 - 0.001, rel=1e-12)
 

@@ -48,6 +48,48 @@ def test_a_non_finite_value_makes_its_block_non_finite(wire, bad):
     assert torch.isfinite(y[BLOCK:]).all()
 
 
+def _reference_codes(x, code):
+    """The codes and float32 scales of `x` by the format's definition, block by block, in
+    float64: scale = absmax / limit rounded up to a bfloat16, code = x / scale (rounded to
+    the nearest integer for int8)."""
+    blocks = torch.nn.functional.pad(x.double(), (0, -x.numel() % BLOCK)).view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(absmax == 0, torch.ones_like(absmax), absmax / code.limit)
+    bits = scale.view(torch.int32)
+    scale = ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    scaled = blocks / scale.double()
+    codes = scaled.round() if code.dtype == torch.int8 else scaled
+    return codes.to(code.dtype).view(-1)[: x.numel()], scale.view(-1)
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_codec_matches_the_format_across_its_passes_and_adds_in_place(wire, dtype):
+    # longer than the codec's CPU pass of 8192 blocks, with a short last block: every pass's
+    # blocks and the tail are coded by the format's definition, into a buffer given
+    code = codec(wire)
+    n = 2 * 8192 * BLOCK + 3 * BLOCK + 11
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(4) * 1e-2).to(dtype)
+    x[BLOCK : 2 * BLOCK] = 0
+    out = torch.full((n + 2 * math.ceil(n / BLOCK),), 77, dtype=torch.uint8)
+    assert quantize(x, code, out=out) is out
+    codes, scales = _reference_codes(x, code)
+    assert torch.equal(out[:n].view(code.dtype).view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(out[n:].clone().view(torch.bfloat16).float(), scales)
+    # decoded and added in float32: each product exact, so one rounding of the sum
+    y = (torch.randn(n, generator=gen) * 1e-3).to(dtype)
+    other = quantize(y, code)
+    expected = codes.float() * scales.repeat_interleave(BLOCK)[:n]
+    expected += dequantize(other, n, code, torch.float32)
+    total = dequantize(out, n, code, torch.float32)
+    assert dequantize(other, n, code, torch.float32, out=total, add=True) is total
+    assert torch.equal(total, expected)
+    if dtype == torch.bfloat16:  # decoded straight into bf16, which holds every scale: the product rounded once
+        products = codes.float() * scales.repeat_interleave(BLOCK)[:n]
+        assert torch.equal(dequantize(out, n, code, dtype), products.to(dtype))
+
+
 def test_each_factor_column_starts_a_block_of_its_own():
     # columns not a whole number of blocks long (as the P of a 50257-row embedding): a
     # block shared by a loud column's end and a quiet column's start would round the quiet

@@ -6,7 +6,11 @@ control group's size, a mean over replicas):
 
     NONFINITE  replicas whose local gradient had inf/nan (sampled steps, warm-up checks)
     ENTROPY    the entropy of the local gradient's GDS sample (sampled steps)
-    EPS_MIN, EPS_MAX  the warm-up error check's errors at r_min and r_max
+    ERR_MIN, ERR_MAX, ERR_TOTAL  the warm-up error check's sums over the local gradient
+               (edgc.compress.lowrank_error_sums): the tails at r_min and r_max and their
+               total, so that the group's error is the error of all its processes' matrices
+               taken together (`warmup_errors`), whatever each process holds: a replica's
+               whole gradient, or one tensor-parallel shard of it
     GRAD_SQ    ||g_i||², the squared norm of the local gradient's sample: its mean is
                |G_small|² of the noise scale (sampled steps, world > 1; edgc.comm.windowgrad)
     LR_DROP    1 where this replica saw the learning rate drop in the window (window ends
@@ -21,19 +25,13 @@ from typing import Any
 
 import torch
 
-from edgc.compress import (
-    compressible,
-    lowrank_error_sums,
-    lowrank_errors_from_sums,
-    lowrank_l1_error,
-    relative_lowrank_error,
-)
+from edgc.compress import compressible, lowrank_error_sums, lowrank_errors_from_sums
 from edgc.entropy import estimate_entropy
 
-__all__ = ["CONTROL_LEN", "ENTROPY", "EPS_MAX", "EPS_MIN", "GRAD_SQ", "LR_DROP", "NONFINITE", "add_error_sums",
-           "control_values"]
+__all__ = ["CONTROL_LEN", "ENTROPY", "ERR_MAX", "ERR_MIN", "ERR_TOTAL", "GRAD_SQ", "LR_DROP", "NONFINITE",
+           "add_error_sums", "control_values", "warmup_errors"]
 
-NONFINITE, ENTROPY, EPS_MIN, EPS_MAX, GRAD_SQ, LR_DROP, CONTROL_LEN = 0, 1, 2, 3, 4, 5, 6
+NONFINITE, ENTROPY, ERR_MIN, ERR_MAX, GRAD_SQ, LR_DROP, ERR_TOTAL, CONTROL_LEN = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def control_values(info: Any, config: Any, *, local_finite: bool, sample: torch.Tensor | None,
@@ -42,7 +40,7 @@ def control_values(info: Any, config: Any, *, local_finite: bool, sample: torch.
     """This replica's control vector for a step of plan `info` (edgc.comm.step.StepInfo):
     its finiteness, and as the step wants, the entropy and squared norm of its gradient
     `sample` (divided here by the loss scale), its learning-rate drop and its warm-up
-    errors, from the eager mode's `error_sums` or else from the gradients `grads`."""
+    error sums, the eager mode's `error_sums` or else those of the gradients `grads`."""
     control = torch.zeros(CONTROL_LEN, dtype=torch.float64)
     control[NONFINITE] = float(not local_finite)
     if info.want_sample and info.scale != 1.0:
@@ -56,22 +54,26 @@ def control_values(info: Any, config: Any, *, local_finite: bool, sample: torch.
         control[GRAD_SQ] = float(torch.linalg.vector_norm(sample, dtype=torch.float64).square())
     if info.want_lr_drop:
         control[LR_DROP] = float(info.lr_dropped)
-    if info.want_errors and error_sums is not None:
-        eps = lowrank_errors_from_sums(list(error_sums), config.warmup_error_norm)
-        if config.warmup_error_norm == "l1":  # (in unscaled gradient units)
-            eps = [e / info.scale for e in eps]
-        control[EPS_MIN], control[EPS_MAX] = eps
-    elif info.want_errors:
-        r_max = info.error_ranks[1]
-        mats = [g for s, g in enumerate(grads) if compressible(slot_shapes[s], r_max, config.min_compression_rate)]
-        if not mats:
-            eps = [float("nan"), float("nan")]
-        elif config.warmup_error_norm == "l1":  # (in unscaled gradient units)
-            eps = [e / info.scale for e in lowrank_l1_error(mats, list(info.error_ranks))]
-        else:
-            eps = relative_lowrank_error(mats, list(info.error_ranks))
-        control[EPS_MIN], control[EPS_MAX] = eps
+    if info.want_errors:
+        if error_sums is None:
+            r_max = info.error_ranks[1]
+            mats = [g for s, g in enumerate(grads) if compressible(slot_shapes[s], r_max, config.min_compression_rate)]
+            error_sums = lowrank_error_sums(mats, list(info.error_ranks), config.warmup_error_norm)
+        tail_min, tail_max, total = error_sums
+        if config.warmup_error_norm == "l1":  # (the tails in unscaled gradient units; total counts elements)
+            tail_min, tail_max = tail_min / info.scale, tail_max / info.scale
+        control[ERR_MIN], control[ERR_MAX], control[ERR_TOTAL] = tail_min, tail_max, total
     return control
+
+
+def warmup_errors(control: torch.Tensor, norm: str) -> tuple[float, float]:
+    """The warm-up check's errors at r_min and r_max from a control vector summed (or
+    averaged) over its group: one ratio of the pooled sums, not a mean of each process's
+    ratio, so that a small shard with a large relative error weighs by its size; nan when
+    no process had a compressible matrix."""
+    eps_min, eps_max = lowrank_errors_from_sums([float(control[ERR_MIN]), float(control[ERR_MAX]),
+                                                 float(control[ERR_TOTAL])], norm)
+    return eps_min, eps_max
 
 
 def add_error_sums(sums: list[float], mats: Sequence[torch.Tensor], info: Any, config: Any) -> list[float]:

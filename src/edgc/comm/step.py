@@ -500,7 +500,7 @@ class StepSync:
                                  error_sums=self.error_sums if self.eager else None, grads=grads,
                                  slot_shapes=self.compression.slot_shapes)
         self.entropy_seconds += float(lap.stop())
-        # collective: all-reduce SUM of CONTROL_LEN = 6 float64 values (48 bytes), issued at the
+        # collective: all-reduce SUM of CONTROL_LEN = 7 float64 values (56 bytes), issued at the
         # last bucket (pipelined: after every unit's P) and waited for at the end of the step
         return control, self.collectives.all_reduce(control, async_op=True, device_copy=self.device, control=True)
 

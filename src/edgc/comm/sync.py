@@ -64,7 +64,7 @@ import torch.distributed as dist
 from edgc.comm.calibration import Calibration
 from edgc.comm.collectives import Collectives
 from edgc.comm.compression import CompressionState, Entry
-from edgc.comm.control import ENTROPY, EPS_MAX, EPS_MIN, GRAD_SQ, LR_DROP, NONFINITE
+from edgc.comm.control import ENTROPY, GRAD_SQ, LR_DROP, NONFINITE, warmup_errors
 from edgc.comm.state_format import FORMAT, VERSION, check_state
 from edgc.comm.stats import EDGCStats
 from edgc.comm.step import StepInfo, StepResult, StepSync
@@ -446,7 +446,7 @@ class GradientSync:
             eps_min = eps_max = math.nan
             if info.want_errors:
                 assert control is not None  # (and on a step that wants the errors)
-                eps_min, eps_max = float(control[EPS_MIN]), float(control[EPS_MAX])
+                eps_min, eps_max = warmup_errors(control, self.config.warmup_error_norm)
                 logger.info("EDGC warm-up check at step %s: eps(r_min=%s) = %.4g, eps(r_max=%s) = %.4g",
                             info.step, self.r_min, eps_min, self.r_max, eps_max)
             if self.gate.update(info.step, eps_min, eps_max):

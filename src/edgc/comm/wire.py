@@ -147,20 +147,77 @@ def quantized_bytes(numel: int, world: int) -> int:
     return world * _row_bytes(_chunk(numel, world))
 
 
-def quantize(x: torch.Tensor, code: Codec) -> torch.Tensor:
+def quantize(x: torch.Tensor, code: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x` (1-D) as bytes: its codes, then one bfloat16 scale per block of BLOCK elements
-    (the last block may be short), in one uint8 tensor of `_row_bytes(len(x))` bytes."""
+    (the last block may be short), in one uint8 tensor of `_row_bytes(len(x))` bytes
+    (`out`, when given).
+
+    Each block's scale comes from a max and a min (no |x| tensor). The codes are divided,
+    rounded and stored a slice of blocks at a time (on CPU; `_rows_per_pass`) through one
+    small scratch buffer of float32 (or x's dtype when wider), into which a narrower x is
+    first widened, slice by slice, and its scales taken there (a half-precision max over
+    blocks is slow on CPU). No temporary of the whole buffer's size is made: on CPU a
+    fresh large allocation costs more than the arithmetic (its pages are faulted in).
+    Only a short last block is padded."""
     n = x.numel()
-    blocks = torch.nn.functional.pad(x, (0, -n % BLOCK)).view(-1, BLOCK)
-    absmax = blocks.abs().amax(dim=1, keepdim=True).float()
-    # (== 0, not > 0: a block holding a nan keeps a nan scale, which makes it non-finite)
-    scale = _bf16_up(torch.where(absmax == 0, torch.ones_like(absmax), absmax / code.limit))
-    scaled = blocks.float() / scale
-    if code.dtype == torch.int8:
-        codes = scaled.round_().clamp_(-code.limit, code.limit).to(torch.int8)
-    else:
-        codes = scaled.to(code.dtype)
-    return torch.cat([codes.view(torch.uint8).reshape(-1)[:n], scale.to(torch.bfloat16).reshape(-1).view(torch.uint8)])
+    if out is None:
+        out = torch.empty(_row_bytes(n), dtype=torch.uint8, device=x.device)
+    codes = out[:n].view(code.dtype)
+    work_dtype = torch.promote_types(x.dtype, torch.float32)
+    scales = []
+    for blocks, dest in _blocks(x, codes):
+        if blocks.shape[1] < BLOCK:  # (a short last block: padded with zeros, a copy of < BLOCK values)
+            blocks = torch.nn.functional.pad(blocks, (0, BLOCK - blocks.shape[1]))
+        step = _rows_per_pass(blocks)
+        scratch = torch.empty((min(step, len(blocks)), BLOCK), dtype=work_dtype, device=x.device)
+        wide = blocks.dtype == work_dtype
+        scale = _scale(blocks, code) if wide else None  # (a wide buffer's max is fast: all blocks at once)
+        for lo in range(0, len(blocks), step):
+            rows = blocks[lo : lo + step]
+            work = scratch[: len(rows)]
+            if wide:
+                assert scale is not None
+                rows_scale = scale[lo : lo + step]
+            else:
+                rows = work.copy_(rows)
+                rows_scale = _scale(rows, code)
+                scales.append(rows_scale)
+            # |x| <= absmax <= limit * scale, and a correctly rounded quotient keeps |x / scale| <= limit:
+            # no clamp is needed
+            torch.div(rows, rows_scale, out=work)
+            if code.dtype == torch.int8:
+                work.round_()
+            dest[lo : lo + step].copy_(work[:, : dest.shape[1]])  # (the cast to the code)
+        if scale is not None:
+            scales.append(scale)
+    out[n:].copy_(torch.cat(scales).to(torch.bfloat16).view(-1).view(torch.uint8))
+    return out
+
+
+def _scale(blocks: torch.Tensor, code: Codec) -> torch.Tensor:
+    """Each block's scale, (blocks, 1) float32: its largest magnitude over the code's limit,
+    rounded up to a bfloat16 (1 for an all-zero block). A nan propagates through amax, amin
+    and maximum: a block holding one keeps a nan scale."""
+    absmax = torch.maximum(blocks.amax(dim=1, keepdim=True), blocks.amin(dim=1, keepdim=True).neg()).float()
+    return _bf16_up(torch.where(absmax == 0, torch.ones_like(absmax), absmax / code.limit))
+
+
+def _rows_per_pass(blocks: torch.Tensor) -> int:
+    """How many blocks the codec takes a pass at a time: on CPU 8192 (a 1 MB float32
+    scratch, reused), elsewhere all of them (a GPU's caching allocator reuses its memory,
+    and each pass is a kernel launch)."""
+    return 8192 if blocks.device.type == "cpu" else max(len(blocks), 1)
+
+
+def _blocks(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """1-D `x` and `y` of one length as pairs of (blocks, BLOCK) views: their whole blocks,
+    then a short last block's (1, length % BLOCK) views, where there is one."""
+    n = x.numel()
+    full = n - n % BLOCK
+    pairs = [(x[:full].view(-1, BLOCK), y[:full].view(-1, BLOCK))] if full else []
+    if full < n:
+        pairs.append((x[full:].view(1, -1), y[full:].view(1, -1)))
+    return pairs
 
 
 def _bf16_up(x: torch.Tensor) -> torch.Tensor:
@@ -171,11 +228,41 @@ def _bf16_up(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
 
 
-def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype) -> torch.Tensor:
-    """The `numel` values `quantize` wrote into the bytes `data` (1-D), in `dtype`."""
-    scale = data[numel:].clone().view(torch.bfloat16)  # (copied: a view needs 2-byte alignment)
-    scale = scale.to(dtype).repeat_interleave(BLOCK)[:numel]
-    return data[:numel].view(code.dtype).to(dtype) * scale
+def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype, out: torch.Tensor | None = None,
+               add: bool = False) -> torch.Tensor:
+    """The `numel` values `quantize` wrote into the bytes `data` (1-D), in `dtype`: into
+    `out` (1-D, `numel` elements, of `dtype`) when given, added to what it holds when `add`.
+    A code times its bfloat16 scale is exact in float32 (at most 8 + 8 significant bits), so
+    adding it to `out` in one fused step rounds as adding the product would."""
+    scales = data[numel:].clone().view(torch.bfloat16)  # (copied: a view needs 2-byte alignment)
+    return _decode(data[:numel].view(code.dtype), scales, dtype, out, add)
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None,
+            add: bool) -> torch.Tensor:
+    """`dequantize` of codes (1-D, of the code's dtype) and their blocks' bfloat16 `scales`
+    (one per block, possibly more than the codes' blocks: the rest are not read), each
+    product taken in `dtype` and stored in `out`'s (which may be narrower: one rounding).
+    In place, with no temporary of the whole buffer's size (`quantize`): the codes are
+    widened into `out` and scaled there, or, to add, into a small scratch a pass at a time."""
+    if out is None:
+        out = torch.zeros(codes.numel(), dtype=dtype, device=codes.device) if add else \
+            torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+    full = codes.numel() // BLOCK
+    scale = scales.to(dtype).view(-1, 1)
+    parts = ([scale[:full]] if full else []) + ([scale[full : full + 1]] if codes.numel() % BLOCK else [])
+    for (block_codes, dest), block_scale in zip(_blocks(codes, out), parts, strict=True):
+        if not add:
+            dest.copy_(block_codes)  # (a code is exact in any floating dtype)
+            dest.mul_(block_scale)
+            continue
+        step = _rows_per_pass(block_codes)
+        scratch = torch.empty((min(step, len(block_codes)), block_codes.shape[1]), dtype=dtype, device=codes.device)
+        for lo in range(0, len(block_codes), step):
+            widened = scratch[: len(block_codes[lo : lo + step])]
+            widened.copy_(block_codes[lo : lo + step])
+            dest[lo : lo + step].addcmul_(widened, block_scale[lo : lo + step])
+    return out
 
 
 def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None, world: int
@@ -189,7 +276,9 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
     chunk = _chunk(n, world)  # elements per replica's chunk
     padded = torch.nn.functional.pad(flat, (0, world * chunk - n))
     row = _row_bytes(chunk)  # one chunk's bytes (codes and scales)
-    send = torch.cat([quantize(piece, code) for piece in padded.split(chunk)])
+    send = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
+    for piece, dest in zip(padded.split(chunk), send.split(row), strict=True):
+        quantize(piece, code, out=dest)
     recv = torch.empty_like(send)
     # collective: all-to-all of (1 + 2 / BLOCK) bytes per element: chunk j to replica j
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
@@ -200,13 +289,18 @@ def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | No
         pieces = recv.view(world, row)
         mine = dequantize(pieces[0], chunk, code, sum_dtype)
         for j in range(1, world):  # (in replica order: the same float order on every replica)
-            mine += dequantize(pieces[j], chunk, code, sum_dtype)
+            dequantize(pieces[j], chunk, code, sum_dtype, out=mine, add=True)
         gathered = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
         # collective: all-gather of every replica's summed chunk, quantized again
         done = _all_gather(gathered, quantize(mine, code), group)
 
-        def unpack() -> None:
-            flat.copy_(torch.cat([dequantize(p, chunk, code, sum_dtype) for p in gathered.view(world, row)])[:n])
+        def unpack() -> None:  # (each chunk's products in the sum's dtype, rounded once into flat's)
+            for j, piece in enumerate(gathered.view(world, row)):
+                count = min(chunk, n - j * chunk)
+                if count <= 0:
+                    break
+                _decode(piece[:count].view(code.dtype), piece[chunk:].clone().view(torch.bfloat16), sum_dtype,
+                        flat[j * chunk : j * chunk + count], add=False)
 
         return done, unpack
 
@@ -230,9 +324,11 @@ def gathered_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | Non
 
     def unpack() -> None:
         first, second = gathered.view(2, row)
-        total = dequantize(first, n, code, sum_dtype)
-        total += dequantize(second, n, code, sum_dtype)  # (replica 0's first on both: bit-identical)
-        flat.copy_(total)
+        total = flat if flat.dtype == sum_dtype else torch.empty(n, dtype=sum_dtype, device=flat.device)
+        dequantize(first, n, code, sum_dtype, out=total)
+        dequantize(second, n, code, sum_dtype, out=total, add=True)  # (replica 0's first on both: bit-identical)
+        if total is not flat:
+            flat.copy_(total)
 
     return work, unpack
 

@@ -10,7 +10,7 @@
      r_max with the minimum rate), each with its own latency term, plus the compression
      arithmetic from the `CostProfile` (roofline-modelled or measured);
    - EDGC adds the GDS entropy estimate at β on the shard, amortised by α because it runs
-     every 1/α steps, and its 48-byte control all-reduce on those steps.
+     every 1/α steps, and its 56-byte control all-reduce on those steps.
 3. A step (`StepProjection`): compute + the DP sync exposed after stage 0's last backward.
    In 1F1B stage p finishes its last backward about p·t_mb before stage 0, so the exposed
    sync is max_p(T_p − p·t_mb), with t_mb the backward time of one micro-batch.
