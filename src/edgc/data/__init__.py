@@ -8,6 +8,7 @@ from edgc.data.corpus import (
     split_corpus,
 )
 from edgc.data.prepare import PreparedData, data_tokenizer, prepare, prepare_builtin, prepare_files, write_meta
+from edgc.data.stream import BatchStream, windows_at
 from edgc.data.tokenizer import (
     BPETokenizer,
     GPT2Tokenizer,
@@ -20,6 +21,7 @@ from edgc.data.tokens import TokenFile, TokenFileHeader, get_batch, write_token_
 
 __all__ = [
     "BPETokenizer",
+    "BatchStream",
     "Corpus",
     "CorpusSplit",
     "GPT2Tokenizer",
@@ -38,6 +40,7 @@ __all__ = [
     "prepare_files",
     "split_corpus",
     "train_bpe_tokenizer",
+    "windows_at",
     "write_meta",
     "write_token_file",
 ]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from edgc.atomic import atomic_write
+from edgc.data.stream import windows_at
 
 logger = logging.getLogger(__name__)
 
@@ -232,15 +233,4 @@ def get_batch(
             f"have {len(data)}"
         )
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)  # (B,)
-    windows = np.stack([data[i : i + block_size + 1] for i in starts.tolist()])  # (B, T+1)
-    buf = torch.from_numpy(windows.astype(np.int64))  # (B, T+1)
-    x = buf[:, :-1].contiguous()  # (B, T)
-    y = buf[:, 1:].contiguous()  # (B, T)
-    device = torch.device(device)
-    if device.type == "cuda":
-        # pinned host memory lets the copy overlap with compute
-        x = x.pin_memory().to(device, non_blocking=True)
-        y = y.pin_memory().to(device, non_blocking=True)
-    else:
-        x, y = x.to(device), y.to(device)
-    return x, y
+    return windows_at(data, starts, block_size, device)

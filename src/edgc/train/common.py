@@ -11,14 +11,18 @@ from typing import Any
 
 import torch
 
+from edgc.checkpoint import restore_state
+from edgc.comm.hook import EDGCState
 from edgc.comm.replicas import replica_entry
+from edgc.data.stream import BatchStream
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights", "lr_at",
-           "model_config", "param_groups", "restore_rank", "tell_learning_rate", "window_signals"]
+           "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized", "resumed_stream",
+           "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -177,15 +181,69 @@ def load_plain_weights(module: torch.nn.Module, opt: torch.optim.Optimizer, weig
 
 
 def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
-                 opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, *,
+                 opt: torch.optim.Optimizer, hook_state: Any, *,
                  load_weights: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None,
                  ) -> int:
-    """Load `weights` ({"model", "optimizer"}) and this rank's compression state, batch
-    generator and RNG from a checkpoint; returns the step it was taken at. `load_weights`
-    loads the first two where the module is not a plain one (a sharded model)."""
+    """Load `weights` ({"model", "optimizer"}) and this rank's compression state and RNG
+    from a checkpoint of this job's world size; returns the step it was taken at.
+    `load_weights` loads the first two where the module is not a plain one (a sharded
+    model)."""
     (load_weights or load_plain_weights)(module, opt, weights)
     mine = replica_entry(ckpt["replicas"])
     hook_state.load_state_dict(mine["comm"])
-    gen.set_state(mine["generator"])
     torch.set_rng_state(mine["torch_rng"])
     return int(ckpt["step"])
+
+
+def restore_resized(ckpt: dict[str, Any], cfg: TrainConfig, module: torch.nn.Module, opt: torch.optim.Optimizer,
+                    hook_state: Any, rank: int, world: int) -> int:
+    """Load a DDP checkpoint of another number of replicas into replica `rank` of `world`:
+    the weights and optimiser state (the same on every replica), the compression state
+    resized (edgc.checkpoint.resize_states: Q and the policy's state from the first
+    replica, every replica's error feedback the old ones' mean), and the RNG of old
+    replica rank mod the old number; sets cfg.grad_accum (`resized_accum`) and says on
+    rank 0 what became of the global batch. Returns the step it was taken at. Raises
+    ValueError for a method whose state cannot be resized (torch's PowerSGD hook keeps
+    its error feedback per DDP bucket)."""
+    load_plain_weights(module, opt, ckpt)
+    entries = ckpt["replicas"]
+    states = [e["comm"] for e in entries]
+    if isinstance(hook_state, EDGCState):
+        restore_state(hook_state, states, resize=True)
+    elif states[0].get("format") in ("allreduce-state", "no-sync-state"):  # (counters only)
+        hook_state.load_state_dict({**states[0], "world_size": world})
+    else:
+        raise ValueError(f"a run of method {ckpt['train']['method']!r} resumes only on the {len(entries)} replicas "
+                         "it was saved on: its state cannot be resized")
+    torch.set_rng_state(entries[rank % len(entries)]["torch_rng"])
+    saved, saved_accum = len(entries), int(ckpt["train"]["grad_accum"])
+    cfg.grad_accum = resized_accum(saved_accum, saved, world)  # (and so in the checkpoints it writes)
+    if rank == 0:
+        logger.warning("resumed on %d replicas from %d at step %d: %d micro-batches a step (was %d), a global batch "
+                       "of %d samples (was %d)", world, saved, ckpt["step"], cfg.grad_accum, saved_accum,
+                       cfg.batch_size * cfg.grad_accum * world, cfg.batch_size * saved_accum * saved)
+    return int(ckpt["step"])
+
+
+def resized_accum(saved_accum: int, saved_replicas: int, replicas: int) -> int:
+    """Micro-batches a step for a run saved on `saved_replicas` replicas of `saved_accum`
+    each and resumed on `replicas`: the same global batch where it shares out evenly
+    (2 replicas of 1 on 1 replica: 2), else `saved_accum` (the global batch then grows or
+    shrinks with the replicas: 2 replicas of 1 on 4 replicas: 1, twice the batch)."""
+    total = saved_accum * saved_replicas
+    return total // replicas if total % replicas == 0 else saved_accum
+
+
+def resumed_stream(ckpt: dict[str, Any], tokens: Any, cfg: Any, *, replica_ranks: list[int], accum: int) -> BatchStream:
+    """The run's batch stream where its checkpoint left it (edgc.data.stream): its "data"
+    entry, or, in a checkpoint written before the stream, the generators of its replicas,
+    replica j's held by the entry of rank replica_ranks[j], after `accum` micro-batches a
+    step."""
+    if "data" in ckpt:
+        stream = BatchStream(tokens, cfg.batch_size, cfg.block_size, seed=cfg.seed,
+                             sequences=len(ckpt["data"]["generators"]))
+        stream.load_state_dict(ckpt["data"])
+        return stream
+    states = [ckpt["replicas"][r]["generator"] for r in replica_ranks]
+    return BatchStream.from_replica_generators(tokens, cfg.batch_size, cfg.block_size, seed=cfg.seed, states=states,
+                                               step=int(ckpt["step"]), accum=accum)

@@ -36,7 +36,7 @@ from edgc.comm.baselines import AllReduceState, allreduce_hook
 from edgc.comm.pipeline import EDGCPipelineStage, StageAlignment
 from edgc.comm.replicas import gather_replicas, replica_entry, tensors_digest
 from edgc.config import EDGCConfig
-from edgc.data import TokenFile, get_batch
+from edgc.data import BatchStream, TokenFile
 from edgc.models import build_model
 from edgc.models.gpt2 import GPT
 from edgc.train.checkpoint import (
@@ -51,6 +51,7 @@ from edgc.train.common import (
     lr_at,
     param_groups,
     restore_rank,
+    resumed_stream,
     tell_learning_rate,
 )
 from edgc.train.common import model_config as model_config_of
@@ -314,7 +315,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
     schedule = schedule_cls(stage, n_microbatches=mb, loss_fn=_loss_fn(mb), scale_grads=False)
     opt = torch.optim.AdamW(param_groups(stage_mod, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                             fused=use_cuda or None)
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + layout.replica)  # this replica's batches
+    stream = BatchStream(train_tokens, cfg.batch_size, cfg.block_size, seed=cfg.seed, sequences=layout.dp)
 
     model_config = model_config_of(cfg, meta["vocab_size"])
     start = 0
@@ -322,8 +323,11 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=layout.shape)
-        start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, gen,
+        start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state,
                              load_weights=_load_tp if layout.tp > 1 else None)
+        # (replica j's batches: first held by the entry of stage 0's replica j, rank j * tp)
+        stream = resumed_stream(ckpt, train_tokens, cfg, replica_ranks=[j * layout.tp for j in range(layout.dp)],
+                                accum=1)
         if stage_mod.compressor is not None:
             stage_mod.compressor.load_state_dict(replica_entry(ckpt["replicas"])["activation"])
         del ckpt
@@ -348,7 +352,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 stage_mod.compressor.start_step()
             p2p_before = stage_mod.compressor.bytes_sent if stage_mod.compressor is not None else 0
             t_wall, t0 = time.time(), time.perf_counter()
-            x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)  # every stage draws alike
+            ((x, y),) = stream.step(layout.dp, 1, layout.replica, device)  # every stage draws alike
             loss = _run(schedule, stage, layout, x, y)
             t_synced = time.perf_counter()
             tied = stage_mod.tied_weight()
@@ -401,7 +405,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
-                _checkpoint(cfg, step, world, rank, layout, stage_mod, opt, hook_state, gen, model_config, guard)
+                _checkpoint(cfg, step, world, rank, layout, stage_mod, opt, hook_state, stream, model_config, guard)
     finally:
         display.close()
         if writer is not None:
@@ -493,12 +497,11 @@ def _p2p_bytes(cfg: TrainConfig, layout: _Layout, stage_mod: GPTStage, compresse
 
 
 def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Layout, stage_mod: GPTStage,
-                opt: torch.optim.Optimizer, hook_state: Any, gen: torch.Generator, model_config: dict,
+                opt: torch.optim.Optimizer, hook_state: Any, stream: BatchStream, model_config: dict,
                 guard: DivergenceGuard) -> None:
     """Gather every rank's state to rank 0 (stage weights from replica 0), which writes
     atomically unless a stage's weights are not finite (the last good checkpoint is kept)."""
-    mine: dict[str, Any] = {"comm": hook_state.state_dict(), "generator": gen.get_state(),
-                            "torch_rng": torch.get_rng_state()}
+    mine: dict[str, Any] = {"comm": hook_state.state_dict(), "torch_rng": torch.get_rng_state()}
     if stage_mod.compressor is not None:
         mine["activation"] = stage_mod.compressor.state_dict()
     if layout.replica == 0:  # (with TP, a collective over the TP group: the whole tensors)
@@ -513,7 +516,7 @@ def _checkpoint(cfg: TrainConfig, step: int, world: int, rank: int, layout: _Lay
         if guard.may_save(step, [s["model"] for s in stages]):  # (else it says why not)
             save_checkpoint(Path(cfg.out) / CHECKPOINT_NAME, {
                 "step": step, "world_size": world, "layout": list(layout.shape), "train": cfg.to_dict(),
-                "model_config": model_config, "stages": stages, "replicas": replicas,
+                "model_config": model_config, "stages": stages, "replicas": replicas, "data": stream.state_dict(),
             }, keep=cfg.keep_checkpoints)
     dist.barrier()
 

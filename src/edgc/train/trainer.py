@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from edgc.comm.replicas import blobs_as_tensors, gather_replicas
 from edgc.config import SECTIONS, EDGCConfig, upgrade_config_v1, with_added_fields
-from edgc.data import TokenFile, get_batch, prepare_builtin, write_meta
+from edgc.data import BatchStream, TokenFile, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -44,7 +44,10 @@ from edgc.train.common import (
     lr_at,
     model_config,
     param_groups,
+    resized_accum,
     restore_rank,
+    restore_resized,
+    resumed_stream,
     tell_learning_rate,
     window_signals,
 )
@@ -84,7 +87,8 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 
     `resume` is the checkpoint to continue from (None: a new run). A new run refuses a
     folder that holds another run's files unless `overwrite`; a resumed run must match
-    its checkpoint's world size, model and method. Call it holding the folder's RunLock.
+    its checkpoint's world size (a DDP run may change it: its replicas), model and method.
+    Call it holding the folder's RunLock.
     """
     cfg.validate()
     cfg.check_layout(world_size)
@@ -98,6 +102,9 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
                          model_config=model_config(cfg, vocab),
                          layout=cfg.pipeline_layout(world_size) if cfg.pp > 1 else (1, world_size),
                          hsdp=cfg.hsdp_layout(world_size) if cfg.hsdp else None)
+        if ckpt["world_size"] != world_size:  # (DDP on another number of replicas: as train_worker does)
+            cfg = dataclasses.replace(cfg, grad_accum=resized_accum(int(ckpt["train"]["grad_accum"]),
+                                                                    int(ckpt["world_size"]), world_size))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
             if cfg.stop_after and ckpt["step"] >= cfg.stop_after and cfg.stop_after < cfg.steps:
@@ -447,14 +454,21 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
     # this replica's batches: the same on every TP rank of a replica (TP is innermost)
     replicas, replica = world // run.tp, rank // run.tp
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + replica)
+    stream = BatchStream(train_tokens, cfg.batch_size, cfg.block_size, seed=cfg.seed, sequences=replicas)
 
     start = 0
     if resume:
         ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world), hsdp=run.hsdp)
-        start = restore_rank(ckpt, ckpt, model, opt, hook_state, gen, load_weights=run.load_weights)
+        saved_tp = int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
+        saved_replicas, saved_accum = int(ckpt["world_size"]) // saved_tp, int(ckpt["train"]["grad_accum"])
+        stream = resumed_stream(ckpt, train_tokens, cfg, replica_ranks=[j * saved_tp for j in range(saved_replicas)],
+                                accum=saved_accum)
+        if int(ckpt["world_size"]) == world:
+            start = restore_rank(ckpt, ckpt, model, opt, hook_state, load_weights=run.load_weights)
+        else:  # (DDP on another number of replicas: check_compatible refuses the others)
+            start = restore_resized(ckpt, cfg, model, opt, hook_state, rank, world)
         precision.load_state_dict(ckpt.get("scaler"))
         del ckpt
     precision.tell(hook_state)
@@ -478,8 +492,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             tell_learning_rate(hook_state, lr)
             t0 = time.perf_counter()
             loss_sum.zero_()
-            for micro in range(cfg.grad_accum):
-                x, y = get_batch(train_tokens, cfg.batch_size, cfg.block_size, gen, device)
+            for micro, (x, y) in enumerate(stream.step(replicas, cfg.grad_accum, replica, device)):
                 with run.sync(micro == cfg.grad_accum - 1):
                     with precision.autocast():
                         _, loss = run.module(x, y)
@@ -526,7 +539,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
-                _checkpoint(cfg, step, world, rank, model, opt, run, gen, meta, precision, guard)
+                _checkpoint(cfg, step, world, rank, model, opt, run, stream, meta, precision, guard)
             if step == cfg.steps and writer is not None:  # (the run's end, not a --stop-after)
                 writer.write(memory_record(step, model, opt, hook_state, device))
     finally:
@@ -563,10 +576,11 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
             "peak_mb": peak / 1e6}
 
 
-def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta, precision, guard) -> None:
+def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, stream: BatchStream, meta, precision,
+                guard) -> None:
     """Gather every replica's compression state to rank 0, which writes atomically, unless
     the model is not finite (the last good checkpoint is kept)."""
-    mine = {"comm": run.state.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state()}
+    mine = {"comm": run.state.state_dict(), "torch_rng": torch.get_rng_state()}
     # (every replica's state, error feedback, Q and RNG, to rank 0: edgc.comm.replicas)
     gathered = gather_replicas(mine, dst=0)
     weights, opt_state = run.weights(model, opt)  # (under HSDP a collective: full states on rank 0)
@@ -576,6 +590,6 @@ def _checkpoint(cfg, step, world, rank, model, opt, run: DataParallel, gen, meta
             "step": step, "world_size": world, "train": cfg.to_dict(),
             "model_config": model_config(cfg, meta["vocab_size"]),
             "model": weights, "optimizer": opt_state, "replicas": blobs_as_tensors(gathered),
-            "scaler": precision.state_dict(), **extra,
+            "scaler": precision.state_dict(), "data": stream.state_dict(), **extra,
         }, keep=cfg.keep_checkpoints)
     dist.barrier()

@@ -1,0 +1,66 @@
+"""`edgc train --resume RUN --nproc N`: a DDP run goes on with another number of
+replicas, compression still on, and a checkpoint written before the batch stream existed
+(each replica's own generator) still resumes exactly."""
+
+import json
+import shutil
+
+import pytest
+
+from edgc.cli import main
+from edgc.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from edgc.train.metrics import read_metrics
+from harness import run_edgc
+from harness import train_args as _train
+
+COMMON = ["--method", "edgc", "--steps", "40", "--eval-every", "20", "--checkpoint-every", "20",
+          "--lr-warmup-steps", "4", "--edgc-warmup-steps", "6", "--edgc-window", "4", "--nproc", "2"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):
+    """A 2-worker run straight through 40 steps, and the same run stopped at step 20."""
+    root = tmp_path_factory.mktemp("resize")
+    assert main(_train(data_dir, root / "straight", *COMMON)) == 0
+    assert main(_train(data_dir, root / "part", *COMMON, "--stop-after", "20")) == 0
+    return root
+
+
+def _records(run, kind):
+    return [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == kind]
+
+
+@pytest.mark.parametrize("nproc,accum", [(1, 2), (4, 1)])
+def test_a_2_worker_run_resumes_on_another_number_of_workers(tmp_path, data_dir, runs, nproc, accum):
+    part = tmp_path / "part"
+    shutil.copytree(runs / "part", part)
+    proc = run_edgc("train", "--resume", str(part), "--stop-after", "40", "--nproc", str(nproc), "--no-progress",
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    # the global batch: kept by accumulating 2 micro-batches on 1 replica; doubled on 4
+    assert f"resumed on {nproc} replicas from 2 at step 20: {accum} micro-batches a step (was 1)" in proc.stderr
+    assert json.loads((part / "config.json").read_text())["grad_accum"] == accum
+    after = [r for r in _records(part, "train") if r["step"] > 20]
+    assert [r["step"] for r in after] == list(range(21, 41))
+    assert all(r["phase"] == "compress" and r["rank"] > 0 for r in after), after  # no second warm-up
+    straight, resumed = (_records(d, "val")[-1]["val_loss"] for d in (runs / "straight", part))
+    assert abs(resumed - straight) <= 0.03 * straight, (resumed, straight)
+    assert load_checkpoint(part / CHECKPOINT_NAME)["world_size"] == nproc
+
+
+def test_a_checkpoint_of_each_replicas_generator_resumes_exactly(tmp_path, runs):
+    # the checkpoint as edgc wrote it before the batch stream: no "data", each replica's own
+    # generator in its entry; with 2 replicas, replica r's is the stream's generator r
+    part = tmp_path / "part"
+    shutil.copytree(runs / "part", part)
+    ckpt = load_checkpoint(part / CHECKPOINT_NAME)
+    data = ckpt.pop("data")
+    for entry, state in zip(ckpt["replicas"], data["generators"], strict=True):
+        entry["generator"] = state
+    save_checkpoint(part / CHECKPOINT_NAME, ckpt)
+    assert main(["train", "--resume", str(part), "--stop-after", "40", "--no-progress"]) == 0
+    a, b = ([(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(d / "metrics.jsonl")]
+            for d in (runs / "straight", part))
+    assert a == b
