@@ -7,6 +7,12 @@ import pytest
 # Spawned workers import tests/distributed/*.py by module name.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
 
+# Workers are forked from a server that imported torch once (edgc.train.launch,
+# START_METHOD_ENV), not spawned afresh: half the time of a several-process test here went
+# to each worker importing torch. The `edgc` commands the tests run in subprocesses inherit
+# it; test_launch.py runs the default, spawn, as well.
+os.environ.setdefault("EDGC_START_METHOD", "forkserver")
+
 DISTRIBUTED = Path(__file__).parent / "distributed"
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from edgc.train.launch import WorkerError, run_local
+from edgc.train.launch import START_METHOD_ENV, WorkerError, run_local
 
 
 def _sum_ranks(rank, world):
@@ -15,7 +15,7 @@ def _sum_ranks(rank, world):
 
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return (rank, world, float(t))
+    return (rank, world, float(t), os.environ.get("EDGC_TEST_MARK"), os.getcwd())
 
 
 def _fail_on_one(rank, world):
@@ -38,8 +38,18 @@ def _hang(rank, world):
     time.sleep(600)
 
 
-def test_results_come_back_by_rank():
-    assert run_local(_sum_ranks, 2, timeout=60) == [(0, 2, 1.0), (1, 2, 1.0)]
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_results_come_back_by_rank(monkeypatch, tmp_path, method):
+    monkeypatch.setenv(START_METHOD_ENV, method)
+    monkeypatch.setenv("EDGC_TEST_MARK", method)  # (set after any fork server started: each worker sees it)
+    monkeypatch.chdir(tmp_path)
+    assert run_local(_sum_ranks, 2, timeout=60) == [(r, 2, 1.0, method, str(tmp_path)) for r in range(2)]
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="EDGC_START_METHOD='fork': use spawn or forkserver"):
+        run_local(_sum_ranks, 2)
 
 
 def test_worker_error_is_reported_and_peers_are_killed():
