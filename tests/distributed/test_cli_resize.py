@@ -64,3 +64,23 @@ def test_a_checkpoint_of_each_replicas_generator_resumes_exactly(tmp_path, runs)
     a, b = ([(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(d / "metrics.jsonl")]
             for d in (runs / "straight", part))
     assert a == b
+
+
+PIPELINE = ["--method", "edgc", "--pp", "2", "--dp", "2", "--steps", "30", "--eval-every", "15",
+            "--checkpoint-every", "15", "--lr-warmup-steps", "3", "--edgc-warmup-steps", "4", "--edgc-window", "3",
+            "--activation-rank", "4"]
+
+
+def test_a_pipeline_resumes_with_fewer_replicas_a_stage(tmp_path, data_dir):
+    straight, part = tmp_path / "straight", tmp_path / "part"
+    assert main(_train(data_dir, straight, *PIPELINE)) == 0
+    assert main(_train(data_dir, part, *PIPELINE, "--stop-after", "15")) == 0
+    proc = run_edgc("train", "--resume", str(part), "--stop-after", "30", "--dp", "1", "--nproc", "2", "--no-progress",
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    after = [r for r in _records(part, "train") if r["step"] > 15]
+    assert [r["step"] for r in after] == list(range(16, 31))
+    assert all(r["phase"] == "compress" and r["rank"] > 0 for r in after), after
+    a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
+    assert abs(b - a) <= 0.03 * a, (b, a)
+    assert load_checkpoint(part / CHECKPOINT_NAME)["layout"] == [2, 1]

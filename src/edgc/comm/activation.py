@@ -36,7 +36,7 @@ from edgc.compress import (
     reconstruct,
 )
 
-__all__ = ["ActivationGradCompressor", "Carrier", "Unpack"]
+__all__ = ["ActivationGradCompressor", "Carrier", "Unpack", "resized_activation_state"]
 
 
 class ActivationGradCompressor:
@@ -92,6 +92,19 @@ class ActivationGradCompressor:
         self.errors = list(d["errors"])
         self.qs = list(d["qs"])
         self.bytes_sent, self.bytes_uncompressed = int(d["bytes_sent"]), int(d["bytes_uncompressed"])
+
+
+def resized_activation_state(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One replica's activation-compression state for a pipeline resumed on another number
+    of replicas, from the old replicas' `states` (state_dict's): Q, the generator and the
+    counters of the first; each micro-batch slot's error feedback the replicas' mean
+    (summed in float64, kept in its dtype), which keeps what is still to be sent on average."""
+    first = states[0]
+    if any(len(s["errors"]) != len(first["errors"]) for s in states):
+        raise ValueError("the replicas' activation states hold different numbers of micro-batch slots")
+    errors = [torch.stack([s["errors"][k].double() for s in states]).mean(dim=0).to(e.dtype)
+              for k, e in enumerate(first["errors"])]
+    return {**first, "errors": errors, "qs": [q.clone() for q in first["qs"]]}
 
 
 class Carrier(torch.autograd.Function):

@@ -97,7 +97,8 @@ def load_checkpoint(path: str | Path, *, trust: bool = False) -> dict[str, Any]:
 def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,
                      layout: tuple[int, ...] | None = None, hsdp: tuple[int, ...] | None = None) -> None:
     """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs.
-    A DDP run's checkpoint fits a DDP job of any world size (edgc.train.common.restore_resized).
+    A run without HSDP fits a job of another number of replicas with the same pipeline
+    stages and TP ranks (edgc.train.common.restore_resized, restore_resized_stage).
 
     `layout` is (pp, dp); None means no pipeline, (1, world_size). `hsdp` is (replicate,
     shard) of an HSDP job, (replicate, shard, tp) with tensor parallelism, None for DDP.
@@ -106,13 +107,14 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
     problems = []
     saved_layout = tuple(ckpt.get("layout", (1, ckpt["world_size"])))
     job_layout = tuple(layout) if layout is not None else (1, world_size)
-    # a DDP run (no pipeline, no HSDP) goes on with another number of replicas (resizable)
-    ddp = ckpt.get("hsdp") is None and hsdp is None and len(saved_layout) == len(job_layout) == 2 \
-        and saved_layout[0] == job_layout[0] == 1
-    if ckpt["world_size"] != world_size and not ddp:
+    # a run without HSDP goes on with another number of replicas, its stages and TP ranks
+    # the same (edgc.train.common.restore_resized, restore_resized_stage)
+    resizable = ckpt.get("hsdp") is None and hsdp is None and len(saved_layout) == len(job_layout) \
+        and saved_layout[0] == job_layout[0] and saved_layout[2:] == job_layout[2:]
+    if ckpt["world_size"] != world_size and not resizable:
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run resumes on "
-                        "another number of replicas under DDP, not yet with a pipeline or HSDP)")
-    if saved_layout != job_layout and not ddp:
+                        "another number of replicas with the same stages and TP ranks, not yet under HSDP)")
+    if saved_layout != job_layout and not resizable:
         def say_layout(x: tuple[int, ...]) -> str:
             return f"pp={x[0]} x dp={x[1]}" + (f" x tp={x[2]}" if len(x) > 2 else "")
         problems.append(f"layout: checkpoint {say_layout(saved_layout)}, this job {say_layout(job_layout)}")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from edgc.checkpoint import restore_state
+from edgc.comm.activation import resized_activation_state
 from edgc.comm.hook import EDGCState
 from edgc.comm.replicas import replica_entry
 from edgc.data.stream import BatchStream
@@ -21,8 +22,8 @@ from edgc.train.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 __all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights", "lr_at",
-           "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized", "resumed_stream",
-           "tell_learning_rate", "window_signals"]
+           "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized", "restore_resized_stage",
+           "resumed_stream", "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -222,6 +223,32 @@ def restore_resized(ckpt: dict[str, Any], cfg: TrainConfig, module: torch.nn.Mod
         logger.warning("resumed on %d replicas from %d at step %d: %d micro-batches a step (was %d), a global batch "
                        "of %d samples (was %d)", world, saved, ckpt["step"], cfg.grad_accum, saved_accum,
                        cfg.batch_size * cfg.grad_accum * world, cfg.batch_size * saved_accum * saved)
+    return int(ckpt["step"])
+
+
+def restore_resized_stage(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
+                          opt: torch.optim.Optimizer, hook_state: Any, compressor: Any, *, stage: int, replica: int,
+                          tp_rank: int, tp: int,
+                          load_weights: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None
+                          = None) -> int:
+    """A pipeline's `restore_resized`: this rank (`stage`, `replica`, `tp_rank`) of a job
+    with another number of replicas per stage than its checkpoint's. The stage's `weights`,
+    the compression state of the stage's old replicas at this TP rank resized (Q and the
+    policy's state from the first, the error feedback's mean), the activation compressor's
+    likewise (`resized_activation_state`), and the RNG of the old replica whose index is
+    `replica` mod their number.
+    Returns the step. (The global batch changes with the replicas: a pipeline step is one
+    batch a replica.)"""
+    (load_weights or load_plain_weights)(module, opt, weights)
+    old = int(ckpt["layout"][1])
+    entries = [ckpt["replicas"][(stage * old + j) * tp + tp_rank] for j in range(old)]
+    if isinstance(hook_state, EDGCState):
+        restore_state(hook_state, [e["comm"] for e in entries], resize=True)
+    else:  # ("none": counters only)
+        hook_state.load_state_dict({**entries[0]["comm"], "world_size": hook_state.world_size})
+    if compressor is not None:
+        compressor.load_state_dict(resized_activation_state([e["activation"] for e in entries]))
+    torch.set_rng_state(entries[replica % old]["torch_rng"])
     return int(ckpt["step"])
 
 

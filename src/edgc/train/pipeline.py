@@ -51,6 +51,7 @@ from edgc.train.common import (
     lr_at,
     param_groups,
     restore_rank,
+    restore_resized_stage,
     resumed_stream,
     tell_learning_rate,
 )
@@ -323,13 +324,19 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
         ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method, model_config=model_config,
                          layout=layout.shape)
-        start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state,
-                             load_weights=_load_tp if layout.tp > 1 else None)
+        load = _load_tp if layout.tp > 1 else None
+        saved_dp = int(ckpt["layout"][1])
+        if saved_dp == layout.dp:
+            start = restore_rank(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state, load_weights=load)
+            if stage_mod.compressor is not None:
+                stage_mod.compressor.load_state_dict(replica_entry(ckpt["replicas"])["activation"])
+        else:  # (another number of replicas: check_compatible allowed it)
+            start = restore_resized_stage(ckpt, ckpt["stages"][layout.stage], stage_mod, opt, hook_state,
+                                          stage_mod.compressor, stage=layout.stage, replica=layout.replica,
+                                          tp_rank=layout.tp_rank, tp=layout.tp, load_weights=load)
         # (replica j's batches: first held by the entry of stage 0's replica j, rank j * tp)
-        stream = resumed_stream(ckpt, train_tokens, cfg, replica_ranks=[j * layout.tp for j in range(layout.dp)],
+        stream = resumed_stream(ckpt, train_tokens, cfg, replica_ranks=[j * layout.tp for j in range(saved_dp)],
                                 accum=1)
-        if stage_mod.compressor is not None:
-            stage_mod.compressor.load_state_dict(replica_entry(ckpt["replicas"])["activation"])
         del ckpt
 
     writer = MetricsWriter.for_run(cfg, resume_step=start if resume else None) if rank == 0 else None

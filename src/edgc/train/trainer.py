@@ -102,7 +102,7 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
                          model_config=model_config(cfg, vocab),
                          layout=cfg.pipeline_layout(world_size) if cfg.pp > 1 else (1, world_size),
                          hsdp=cfg.hsdp_layout(world_size) if cfg.hsdp else None)
-        if ckpt["world_size"] != world_size:  # (DDP on another number of replicas: as train_worker does)
+        if ckpt["world_size"] != world_size and cfg.pp == 1:  # (DDP on another number of replicas: as train_worker)
             cfg = dataclasses.replace(cfg, grad_accum=resized_accum(int(ckpt["train"]["grad_accum"]),
                                                                     int(ckpt["world_size"]), world_size))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
@@ -124,10 +124,11 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 # options a resumed run may change (TrainConfig fields, and "edgc.FIELD" for an EDGCConfig
 # field); every other one must match its checkpoint's. edgc.min_unit_mb changes only how
 # the gradient is cut into units, so only the float order of the sums; compile, device and
-# emulated_device_ms change how the same maths runs.
+# emulated_device_ms change how the same maths runs; nproc and dp, the number of replicas
+# (edgc.train.common.restore_resized).
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
                      "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
-                     "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb")
+                     "dp", "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb")
 
 
 def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
