@@ -39,7 +39,7 @@ from edgc.comm.state_format import check_state
 from edgc.safeload import UnsafeFileError, load_torch
 
 __all__ = ["FILE_NAME", "gather_states", "is_torch_archive", "load_states", "read_states", "resize_states",
-           "restore_state", "save_states", "verify_checksums"]
+           "resized_state", "restore_state", "save_states", "verify_checksums"]
 
 FILE_NAME = "edgc_state.pt"
 _FORMAT = "edgc-replica-states"
@@ -69,7 +69,7 @@ def restore_state(state: Any, states: list[dict[str, Any]] | None, *, src: int |
     """
     world, rank = world_and_rank(_group(state))
     if resize and src is None and states is not None:
-        state.load_state_dict(_resized_entry(states, world, rank))
+        state.load_state_dict(resized_state(states, world, rank))
         return
     if resize and states is not None:
         states = resize_states(states, world)
@@ -149,7 +149,7 @@ def load_states(state: Any, folder: str | Path, *, step: int | None = None, trus
                          f"resumes at step {step}")
     world, rank = world_and_rank(_group(state))
     if resize and isinstance(data["replicas"], list) and len(data["replicas"]) != world:
-        state.load_state_dict(_resized_entry(data["replicas"], world, rank))
+        state.load_state_dict(resized_state(data["replicas"], world, rank))
         return
     mine = replica_entry(data["replicas"], group=_group(state), what=f"the EDGC state file in {str(folder)!r}")
     state.load_state_dict(_own_copy(mine))
@@ -177,8 +177,9 @@ def resize_states(states: list[dict[str, Any]], world: int) -> list[dict[str, An
     return [_entry(template, world, replica) for replica in range(world)]
 
 
-def _resized_entry(states: list[dict[str, Any]], world: int, replica: int) -> dict[str, Any]:
-    """resize_states(states, world)[replica], without building the other entries."""
+def resized_state(states: list[dict[str, Any]], world: int, replica: int) -> dict[str, Any]:
+    """resize_states(states, world)[replica], without building the other entries: what
+    one replica of the new job loads."""
     if isinstance(states, list) and len(states) == world:
         return states[replica]
     return _entry(_resized_template(states), world, replica)

@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from edgc.checkpoint import resized_state
 from edgc.comm.baselines import NativeHSDPState
 from edgc.comm.compression import Entry
 from edgc.comm.stats import EDGCStats
@@ -148,14 +149,33 @@ class EDGCFSDPState:
         if saved != self.layout:
             raise ValueError(f"EDGC FSDP state was saved by a layout of {_say(saved)}, but this job has "
                              f"{_say(self.layout)}; error feedback is per shard and cannot be remapped")
-        key = self._key()
-        if key not in d:
-            raise ValueError(f"EDGC FSDP state dict has no entry for this process ({key})")
-        blob = d[key]  # (bytes; a uint8 tensor in edgc train's checkpoints: edgc.comm.replicas.blobs_as_tensors)
-        data = blob.numpy().tobytes() if isinstance(blob, torch.Tensor) else blob
-        inner = load_torch(data, what=f"EDGC FSDP state entry {key!r}", how="load_state_dict(..., trust=True)",
-                           trust=trust)
-        self.sync.load_state_dict(inner, strict_replica=strict_replica)
+        self.sync.load_state_dict(_entry(d, self._key(), trust), strict_replica=strict_replica)
+
+    def load_resized(self, states: list[dict[str, Any]], *, trust: bool = False) -> None:
+        """Restore this process's state from the state_dict() of every process of a job
+        with another number of replicas, the same shards and TP ranks (edgc train
+        --resume on another --dp-replicate), before the first step: the old replicas'
+        states at this process's shard and TP rank, resized to this job's replicas
+        (edgc.checkpoint.resize_states: Q and the policy's state from the first, each
+        replica's error feedback their mean). Global ranks are taken as the mesh
+        (replicate, shard, tp) laid out in rank order, as init_device_mesh does. Raises
+        ValueError on other shards or TP ranks, naming both layouts."""
+        if not states or not isinstance(states[0], dict) or states[0].get("format") != _FORMAT:
+            raise ValueError(f"not a list of EDGC FSDP state dicts (missing format marker {_FORMAT!r})")
+        saved = (*(int(x) for x in states[0]["layout"]), 1)[:3]
+        if saved[1:] != self.layout[1:]:
+            raise ValueError(f"EDGC FSDP state was saved by a layout of {_say(saved)}, but this job has "
+                             f"{_say(self.layout)}: only the number of replicas may change")
+        _, shard, tp = self.layout
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        replica, within = divmod(rank, shard * tp)  # (within: this process's shard and TP rank, shard * tp + t)
+        olds = [j * shard * tp + within for j in range(saved[0])]
+        by_key = {key: d for d in states for key in d if key.startswith("rank")}
+        missing = [f"rank{r}" for r in olds if f"rank{r}" not in by_key]
+        if missing:
+            raise ValueError(f"the EDGC FSDP states hold no entry for {', '.join(missing)}")
+        inner = [_entry(by_key[f"rank{r}"], f"rank{r}", trust) for r in olds]
+        self.sync.load_state_dict(resized_state(inner, self.layout[0], replica))
 
     def _hook(self, index: int, output: torch.Tensor) -> None:
         """FSDP's all-reduce hook of module `index`: average `output` over the replicate
@@ -183,6 +203,16 @@ class EDGCFSDPState:
         self.sync.receive(output, module.entries, future, last)
         if not future.done():  # (the eager core completes every buffer in its own call)
             raise RuntimeError("EDGC: a module's gradient was not averaged within FSDP's hook")
+
+
+def _entry(d: dict[str, Any], key: str, trust: bool) -> dict[str, Any]:
+    """The compression state in entry `key` of an EDGC FSDP state dict, unpacked."""
+    if key not in d:
+        raise ValueError(f"EDGC FSDP state dict has no entry for this process ({key})")
+    blob = d[key]  # (bytes; a uint8 tensor in edgc train's checkpoints: edgc.comm.replicas.blobs_as_tensors)
+    data = blob.numpy().tobytes() if isinstance(blob, torch.Tensor) else blob
+    return load_torch(data, what=f"EDGC FSDP state entry {key!r}", how="load_state_dict(..., trust=True)",
+                      trust=trust)
 
 
 def _say(layout: tuple[int, ...]) -> str:

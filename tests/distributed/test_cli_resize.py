@@ -84,3 +84,28 @@ def test_a_pipeline_resumes_with_fewer_replicas_a_stage(tmp_path, data_dir):
     a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
     assert abs(b - a) <= 0.03 * a, (b, a)
     assert load_checkpoint(part / CHECKPOINT_NAME)["layout"] == [2, 1]
+
+
+HSDP = ["--method", "edgc", "--dp-replicate", "2", "--dp-shard", "1", "--steps", "30", "--eval-every", "15",
+        "--checkpoint-every", "15", "--lr-warmup-steps", "3", "--edgc-warmup-steps", "4", "--edgc-window", "3",
+        "--device", "cpu"]
+
+
+def test_an_hsdp_run_resumes_with_fewer_replicas(tmp_path, data_dir):
+    straight, part = tmp_path / "straight", tmp_path / "part"
+    assert main(_train(data_dir, straight, *HSDP)) == 0
+    assert main(_train(data_dir, part, *HSDP, "--stop-after", "15")) == 0
+    proc = run_edgc("train", "--resume", str(part), "--stop-after", "30", "--dp-replicate", "1", "--nproc", "1",
+                    "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed on 1 replicas from 2 at step 15: 2 micro-batches a step (was 1)" in proc.stderr
+    after = [r for r in _records(part, "train") if r["step"] > 15]
+    assert [r["step"] for r in after] == list(range(16, 31))
+    assert all(r["phase"] == "compress" and r["rank"] > 0 for r in after), after
+    a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
+    assert abs(b - a) <= 0.03 * a, (b, a)
+    assert load_checkpoint(part / CHECKPOINT_NAME)["hsdp"] == [1, 1]
+    # another number of shards is refused in one line
+    proc = run_edgc("train", "--resume", str(part), "--stop-after", "30", "--dp-replicate", "1", "--dp-shard", "2",
+                    "--nproc", "2", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--dp-shard 2" in proc.stderr

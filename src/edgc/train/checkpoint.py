@@ -97,8 +97,8 @@ def load_checkpoint(path: str | Path, *, trust: bool = False) -> dict[str, Any]:
 def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,
                      layout: tuple[int, ...] | None = None, hsdp: tuple[int, ...] | None = None) -> None:
     """Raise ValueError if a checkpoint cannot continue in this job, saying which setting differs.
-    A run without HSDP fits a job of another number of replicas with the same pipeline
-    stages and TP ranks (edgc.train.common.restore_resized, restore_resized_stage).
+    A run fits a job of another number of replicas with the same pipeline stages, HSDP
+    shards and TP ranks (edgc.train.common.restore_resized, restore_resized_stage).
 
     `layout` is (pp, dp); None means no pipeline, (1, world_size). `hsdp` is (replicate,
     shard) of an HSDP job, (replicate, shard, tp) with tensor parallelism, None for DDP.
@@ -107,23 +107,26 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
     problems = []
     saved_layout = tuple(ckpt.get("layout", (1, ckpt["world_size"])))
     job_layout = tuple(layout) if layout is not None else (1, world_size)
-    # a run without HSDP goes on with another number of replicas, its stages and TP ranks
-    # the same (edgc.train.common.restore_resized, restore_resized_stage)
-    resizable = ckpt.get("hsdp") is None and hsdp is None and len(saved_layout) == len(job_layout) \
-        and saved_layout[0] == job_layout[0] and saved_layout[2:] == job_layout[2:]
+    saved_hsdp = tuple(int(x) for x in ckpt["hsdp"]) if ckpt.get("hsdp") is not None else None
+    job_hsdp = tuple(hsdp) if hsdp is not None else None
+    # a run goes on with another number of replicas, its stages, shards and TP ranks the
+    # same (edgc.train.common.restore_resized, restore_resized_stage)
+    same_shards = saved_hsdp is None and job_hsdp is None or (
+        saved_hsdp is not None and job_hsdp is not None and (*saved_hsdp, 1)[1:3] == (*job_hsdp, 1)[1:3])
+    resizable = same_shards and len(saved_layout) == len(job_layout) and saved_layout[0] == job_layout[0] \
+        and saved_layout[2:] == job_layout[2:]
     if ckpt["world_size"] != world_size and not resizable:
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run resumes on "
-                        "another number of replicas with the same stages and TP ranks, not yet under HSDP)")
+                        "another number of replicas only, with the same pipeline stages, shards and TP ranks)")
     if saved_layout != job_layout and not resizable:
         def say_layout(x: tuple[int, ...]) -> str:
             return f"pp={x[0]} x dp={x[1]}" + (f" x tp={x[2]}" if len(x) > 2 else "")
         problems.append(f"layout: checkpoint {say_layout(saved_layout)}, this job {say_layout(job_layout)}")
-    saved_hsdp = tuple(ckpt["hsdp"]) if ckpt.get("hsdp") is not None else None
-    if saved_hsdp != (tuple(hsdp) if hsdp is not None else None):
+    if saved_hsdp != job_hsdp and not resizable:
         def say(x: tuple[int, ...] | None) -> str:
             tp = f" x {x[2]} TP ranks" if x is not None and len(x) > 2 else ""
             return f"HSDP {x[0]} replicas x {x[1]} shards{tp}" if x else "DDP"
-        problems.append(f"data parallelism: checkpoint {say(saved_hsdp)}, this job {say(hsdp)}")
+        problems.append(f"data parallelism: checkpoint {say(saved_hsdp)}, this job {say(job_hsdp)}")
     if saved["preset"] != preset or ckpt["model_config"] != model_config:
         problems.append(f"model: checkpoint {saved['preset']} {ckpt['model_config']}, this job {preset} {model_config}")
     if saved["method"] != method:

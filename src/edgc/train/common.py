@@ -16,10 +16,14 @@ from edgc.comm.activation import resized_activation_state
 from edgc.comm.hook import EDGCState
 from edgc.comm.replicas import replica_entry
 from edgc.data.stream import BatchStream
+from edgc.fsdp import EDGCFSDPState
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
+
+#: Loads a checkpoint's {"model", "optimizer"} into a module and its optimiser.
+LoadWeights = Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None]
 
 __all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights", "lr_at",
            "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized", "restore_resized_stage",
@@ -183,7 +187,7 @@ def load_plain_weights(module: torch.nn.Module, opt: torch.optim.Optimizer, weig
 
 def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
                  opt: torch.optim.Optimizer, hook_state: Any, *,
-                 load_weights: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None = None,
+                 load_weights: LoadWeights | None = None,
                  ) -> int:
     """Load `weights` ({"model", "optimizer"}) and this rank's compression state and RNG
     from a checkpoint of this job's world size; returns the step it was taken at.
@@ -197,40 +201,44 @@ def restore_rank(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn
 
 
 def restore_resized(ckpt: dict[str, Any], cfg: TrainConfig, module: torch.nn.Module, opt: torch.optim.Optimizer,
-                    hook_state: Any, rank: int, world: int) -> int:
-    """Load a DDP checkpoint of another number of replicas into replica `rank` of `world`:
-    the weights and optimiser state (the same on every replica), the compression state
-    resized (edgc.checkpoint.resize_states: Q and the policy's state from the first
-    replica, every replica's error feedback the old ones' mean), and the RNG of old
-    replica rank mod the old number; sets cfg.grad_accum (`resized_accum`) and says on
-    rank 0 what became of the global batch. Returns the step it was taken at. Raises
-    ValueError for a method whose state cannot be resized (torch's PowerSGD hook keeps
-    its error feedback per DDP bucket)."""
-    load_plain_weights(module, opt, ckpt)
+                    hook_state: Any, *, rank: int, replicas: int,
+                    load_weights: LoadWeights | None = None,
+                    ) -> int:
+    """Load a checkpoint of another number of replicas (DDP, or HSDP with the same shards
+    and TP ranks) into process `rank` of a job of `replicas` data-parallel ranks: the
+    weights and optimiser state (`load_weights` for a sharded model), the compression
+    state resized (edgc.checkpoint.resize_states, EDGCFSDPState.load_resized: Q and the
+    policy's state from the first replica, every replica's error feedback the old ones'
+    mean), and the RNG of old process rank mod the old number; sets cfg.grad_accum
+    (`resized_accum`) and says on rank 0 what became of the global batch. Returns the
+    step it was taken at. Raises ValueError for a method whose state cannot be resized
+    (torch's PowerSGD hook keeps its error feedback per DDP bucket)."""
+    (load_weights or load_plain_weights)(module, opt, ckpt)
     entries = ckpt["replicas"]
     states = [e["comm"] for e in entries]
     if isinstance(hook_state, EDGCState):
         restore_state(hook_state, states, resize=True)
-    elif states[0].get("format") in ("allreduce-state", "no-sync-state"):  # (counters only)
-        hook_state.load_state_dict({**states[0], "world_size": world})
+    elif isinstance(hook_state, EDGCFSDPState):
+        hook_state.load_resized(states)
+    elif states[0].get("format") in ("allreduce-state", "no-sync-state", "native-hsdp-state"):  # (counters only)
+        hook_state.load_state_dict({**states[0], "world_size": hook_state.world_size})
     else:
         raise ValueError(f"a run of method {ckpt['train']['method']!r} resumes only on the {len(entries)} replicas "
                          "it was saved on: its state cannot be resized")
     torch.set_rng_state(entries[rank % len(entries)]["torch_rng"])
-    saved, saved_accum = len(entries), int(ckpt["train"]["grad_accum"])
-    cfg.grad_accum = resized_accum(saved_accum, saved, world)  # (and so in the checkpoints it writes)
+    saved_tp = int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
+    saved, saved_accum = len(entries) // saved_tp, int(ckpt["train"]["grad_accum"])
+    cfg.grad_accum = resized_accum(saved_accum, saved, replicas)  # (and so in the checkpoints it writes)
     if rank == 0:
         logger.warning("resumed on %d replicas from %d at step %d: %d micro-batches a step (was %d), a global batch "
-                       "of %d samples (was %d)", world, saved, ckpt["step"], cfg.grad_accum, saved_accum,
-                       cfg.batch_size * cfg.grad_accum * world, cfg.batch_size * saved_accum * saved)
+                       "of %d samples (was %d)", replicas, saved, ckpt["step"], cfg.grad_accum, saved_accum,
+                       cfg.batch_size * cfg.grad_accum * replicas, cfg.batch_size * saved_accum * saved)
     return int(ckpt["step"])
 
 
 def restore_resized_stage(ckpt: dict[str, Any], weights: dict[str, Any], module: torch.nn.Module,
                           opt: torch.optim.Optimizer, hook_state: Any, compressor: Any, *, stage: int, replica: int,
-                          tp_rank: int, tp: int,
-                          load_weights: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None] | None
-                          = None) -> int:
+                          tp_rank: int, tp: int, load_weights: LoadWeights | None = None) -> int:
     """A pipeline's `restore_resized`: this rank (`stage`, `replica`, `tp_rank`) of a job
     with another number of replicas per stage than its checkpoint's. The stage's `weights`,
     the compression state of the stage's old replicas at this TP rank resized (Q and the

@@ -102,9 +102,10 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
                          model_config=model_config(cfg, vocab),
                          layout=cfg.pipeline_layout(world_size) if cfg.pp > 1 else (1, world_size),
                          hsdp=cfg.hsdp_layout(world_size) if cfg.hsdp else None)
-        if ckpt["world_size"] != world_size and cfg.pp == 1:  # (DDP on another number of replicas: as train_worker)
-            cfg = dataclasses.replace(cfg, grad_accum=resized_accum(int(ckpt["train"]["grad_accum"]),
-                                                                    int(ckpt["world_size"]), world_size))
+        if ckpt["world_size"] != world_size and cfg.pp == 1:  # (another number of replicas: as restore_resized)
+            saved_tp = int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
+            cfg = dataclasses.replace(cfg, grad_accum=resized_accum(
+                int(ckpt["train"]["grad_accum"]), int(ckpt["world_size"]) // saved_tp, world_size // cfg.tp))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
             if cfg.stop_after and ckpt["step"] >= cfg.stop_after and cfg.stop_after < cfg.steps:
@@ -124,11 +125,11 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 # options a resumed run may change (TrainConfig fields, and "edgc.FIELD" for an EDGCConfig
 # field); every other one must match its checkpoint's. edgc.min_unit_mb changes only how
 # the gradient is cut into units, so only the float order of the sums; compile, device and
-# emulated_device_ms change how the same maths runs; nproc and dp, the number of replicas
+# emulated_device_ms change how the same maths runs; nproc, dp and dp_replicate, the number of replicas
 # (edgc.train.common.restore_resized).
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
                      "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
-                     "dp", "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb")
+                     "dp", "dp_replicate", "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb")
 
 
 def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
@@ -468,8 +469,9 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                                 accum=saved_accum)
         if int(ckpt["world_size"]) == world:
             start = restore_rank(ckpt, ckpt, model, opt, hook_state, load_weights=run.load_weights)
-        else:  # (DDP on another number of replicas: check_compatible refuses the others)
-            start = restore_resized(ckpt, cfg, model, opt, hook_state, rank, world)
+        else:  # (another number of replicas: check_compatible refuses what cannot be resized)
+            start = restore_resized(ckpt, cfg, model, opt, hook_state, rank=rank, replicas=replicas,
+                                    load_weights=run.load_weights)
         precision.load_state_dict(ckpt.get("scaler"))
         del ckpt
     precision.tell(hook_state)
