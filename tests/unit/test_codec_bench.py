@@ -34,3 +34,11 @@ def test_codec_benchmark_refuses_bad_options():
     done = _run("--dtype", "float8")
     assert done.returncode == 2 and "--dtype 'float8'" in done.stderr
     assert _run("--numel", "0").returncode == 2
+
+
+def test_codec_benchmark_times_another_version_of_the_codec_beside_it():
+    done = _run("--numel", "300", "--repeats", "1", "--dtype", "float32", "--against",
+                str(ROOT / "src" / "edgc" / "comm" / "wire.py"))
+    assert done.returncode == 0, done.stderr
+    for op in ("quantize", "dequantize", "2-sum"):
+        assert f"| float32 | wire.py: {op} |" in done.stdout, done.stdout
