@@ -8,7 +8,7 @@ import torch
 
 from edgc import EDGCConfig
 from edgc.comm.units import Group, factor_buffers
-from edgc.comm.wire import BLOCK, codec, column_length, dequantize, quantize, quantized_bytes, wire_bytes
+from edgc.comm.wire import BLOCK, _bf16_up, codec, column_length, dequantize, quantize, quantized_bytes, wire_bytes
 from edgc.config import with_added_fields
 
 
@@ -46,6 +46,24 @@ def test_a_non_finite_value_makes_its_block_non_finite(wire, bad):
     y = dequantize(quantize(x, code), x.numel(), code, torch.float32)
     assert not torch.isfinite(y[:BLOCK]).any()
     assert torch.isfinite(y[BLOCK:]).all()
+
+
+def test_a_nan_scale_stays_nan_whatever_its_bits():
+    # a vectorised max gives a nan of all ones (0xFFFFFFFF); rounding its bits up to a
+    # bfloat16 must not carry it into a zero scale, which would make its block finite
+    bits = torch.tensor([0x7FC00000, -0x400000, -1, 0x7FFFFFFF, 0x7F800000], dtype=torch.int32)  # (-1: all ones)
+    up = _bf16_up(bits.view(torch.float32))
+    assert not torch.isfinite(up).any() and not torch.isfinite(up.to(torch.bfloat16)).any()
+    finite = torch.tensor([1.0, 1.0 + 2**-20, 3e-5, 448.0 / 127])
+    up = _bf16_up(finite)  # (finite values: the smallest bfloat16 at or above each)
+    assert torch.equal(up[:2], torch.tensor([1.0, 1.0 + 2**-7]))
+    assert (up >= finite).all() and torch.equal(up, up.to(torch.bfloat16).float())
+    # the P of a matrix with a row of inf: one nan a column, each at a block's start
+    code = codec("int8")
+    x = torch.randn(72 * BLOCK, generator=torch.Generator().manual_seed(4)) * 1e-4
+    x[16 * BLOCK :: 2 * BLOCK] = float("nan")
+    y = dequantize(quantize(x, code), x.numel(), code, torch.float32).view(-1, BLOCK)
+    assert torch.equal(torch.isfinite(y).all(dim=1), torch.isfinite(x.view(-1, BLOCK)).all(dim=1))
 
 
 def _reference_codes(x, code):

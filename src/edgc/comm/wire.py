@@ -222,10 +222,12 @@ def _blocks(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.
 
 def _bf16_up(x: torch.Tensor) -> torch.Tensor:
     """float32 `x` (positive, or nan or inf) rounded up to the nearest bfloat16, as float32:
-    the low 16 bits of the float32 cleared after adding their largest value (nan and inf
-    keep their bits' top half, and so stay nan and inf)."""
+    the low 16 bits of the float32 cleared after adding their largest value. A nan or inf
+    is kept as it is: a nan's bits may be anything above the infinities' (a vectorised
+    max gives all ones, 0xFFFFFFFF), and adding to those would carry out of the word and
+    make a zero scale of it, that is a finite block."""
     bits = x.view(torch.int32)
-    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    return torch.where(torch.isfinite(x), ((bits + 0xFFFF) & -0x10000).view(torch.float32), x)
 
 
 def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype, out: torch.Tensor | None = None,

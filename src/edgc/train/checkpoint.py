@@ -115,6 +115,10 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
         saved_hsdp is not None and job_hsdp is not None and (*saved_hsdp, 1)[1:3] == (*job_hsdp, 1)[1:3])
     resizable = same_shards and len(saved_layout) == len(job_layout) and saved_layout[0] == job_layout[0] \
         and saved_layout[2:] == job_layout[2:]
+    if ckpt["world_size"] != world_size and resizable and method == "torch-powersgd":
+        problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run of "
+                        "torch-powersgd resumes only on the replicas it was saved on: torch keeps its error "
+                        "feedback per DDP bucket)")
     if ckpt["world_size"] != world_size and not resizable:
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run resumes on "
                         "another number of replicas only, with the same pipeline stages, shards and TP ranks)")
