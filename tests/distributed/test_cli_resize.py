@@ -80,7 +80,9 @@ def test_a_pipeline_resumes_with_fewer_replicas_a_stage(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr
     after = [r for r in _records(part, "train") if r["step"] > 15]
     assert [r["step"] for r in after] == list(range(16, 31))
-    assert all(r["phase"] == "compress" and r["rank"] > 0 for r in after), after
+    # no second warm-up (each stage's rank is the DAC's, from measured times: 0 where a
+    # stage is sent whole, as in the uninterrupted run, and nothing to send on one replica)
+    assert all(r["phase"] == "compress" for r in after), after
     a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
     assert abs(b - a) <= 0.03 * a, (b, a)
     assert load_checkpoint(part / CHECKPOINT_NAME)["layout"] == [2, 1]
