@@ -12,7 +12,7 @@ from edgc.comm.wire import BLOCK, _bf16_up, codec, column_length, dequantize, qu
 from edgc.config import with_added_fields
 
 
-@pytest.mark.parametrize("n", [1, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
+@pytest.mark.parametrize("n", [0, 1, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
 def test_int8_rounds_each_block_to_its_own_step(n):
     code = codec("int8")
     x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)

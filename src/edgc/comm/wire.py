@@ -190,7 +190,8 @@ def quantize(x: torch.Tensor, code: Codec, out: torch.Tensor | None = None) -> t
             dest[lo : lo + step].copy_(work[:, : dest.shape[1]])  # (the cast to the code)
         if scale is not None:
             scales.append(scale)
-    out[n:].copy_(torch.cat(scales).to(torch.bfloat16).view(-1).view(torch.uint8))
+    if scales:  # (none for an empty x)
+        out[n:].copy_(torch.cat(scales).to(torch.bfloat16).view(-1).view(torch.uint8))
     return out
 
 
