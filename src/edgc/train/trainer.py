@@ -87,8 +87,8 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 
     `resume` is the checkpoint to continue from (None: a new run). A new run refuses a
     folder that holds another run's files unless `overwrite`; a resumed run must match
-    its checkpoint's world size (a DDP run may change it: its replicas), model and method.
-    Call it holding the folder's RunLock.
+    its checkpoint's world size (or change only its number of replicas: check_compatible),
+    model and method. Call it holding the folder's RunLock.
     """
     cfg.validate()
     cfg.check_layout(world_size)
