@@ -32,21 +32,31 @@ def _records(run, kind):
     return [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == kind]
 
 
+def _resume(part, stop, steps, *flags, cwd):
+    """`edgc train --resume part --stop-after steps FLAGS` as a user runs it; returns its
+    stderr and the train records after `stop`, which must be every step to `steps`."""
+    proc = run_edgc("train", "--resume", str(part), "--stop-after", str(steps), *flags, "--no-progress", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    after = [r for r in _records(part, "train") if r["step"] > stop]
+    assert [r["step"] for r in after] == list(range(stop + 1, steps + 1))
+    return proc.stderr, after
+
+
+def _assert_within_3_percent(straight, part):
+    a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
+    assert abs(b - a) <= 0.03 * a, (b, a)
+
+
 @pytest.mark.parametrize("nproc,accum", [(1, 2), (4, 1)])
 def test_a_2_worker_run_resumes_on_another_number_of_workers(tmp_path, data_dir, runs, nproc, accum):
     part = tmp_path / "part"
     shutil.copytree(runs / "part", part)
-    proc = run_edgc("train", "--resume", str(part), "--stop-after", "40", "--nproc", str(nproc), "--no-progress",
-                    cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    err, after = _resume(part, 20, 40, "--nproc", str(nproc), cwd=tmp_path)
     # the global batch: kept by accumulating 2 micro-batches on 1 replica; doubled on 4
-    assert f"resumed on {nproc} replicas from 2 at step 20: {accum} micro-batches a step (was 1)" in proc.stderr
+    assert f"resumed on {nproc} replicas from 2 at step 20: {accum} micro-batches a step (was 1)" in err
     assert json.loads((part / "config.json").read_text())["grad_accum"] == accum
-    after = [r for r in _records(part, "train") if r["step"] > 20]
-    assert [r["step"] for r in after] == list(range(21, 41))
     assert all(r["phase"] == "compress" and r["rank"] > 0 for r in after), after  # no second warm-up
-    straight, resumed = (_records(d, "val")[-1]["val_loss"] for d in (runs / "straight", part))
-    assert abs(resumed - straight) <= 0.03 * straight, (resumed, straight)
+    _assert_within_3_percent(runs / "straight", part)
     assert load_checkpoint(part / CHECKPOINT_NAME)["world_size"] == nproc
 
 
@@ -75,16 +85,11 @@ def test_a_pipeline_resumes_with_fewer_replicas_a_stage(tmp_path, data_dir):
     straight, part = tmp_path / "straight", tmp_path / "part"
     assert main(_train(data_dir, straight, *PIPELINE)) == 0
     assert main(_train(data_dir, part, *PIPELINE, "--stop-after", "15")) == 0
-    proc = run_edgc("train", "--resume", str(part), "--stop-after", "30", "--dp", "1", "--nproc", "2", "--no-progress",
-                    cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    after = [r for r in _records(part, "train") if r["step"] > 15]
-    assert [r["step"] for r in after] == list(range(16, 31))
+    _, after = _resume(part, 15, 30, "--dp", "1", "--nproc", "2", cwd=tmp_path)
     # no second warm-up (each stage's rank is the DAC's, from measured times: 0 where a
     # stage is sent whole, as in the uninterrupted run, and nothing to send on one replica)
     assert all(r["phase"] == "compress" for r in after), after
-    a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
-    assert abs(b - a) <= 0.03 * a, (b, a)
+    _assert_within_3_percent(straight, part)
     assert load_checkpoint(part / CHECKPOINT_NAME)["layout"] == [2, 1]
 
 
@@ -97,15 +102,10 @@ def test_an_hsdp_run_resumes_with_fewer_replicas(tmp_path, data_dir):
     straight, part = tmp_path / "straight", tmp_path / "part"
     assert main(_train(data_dir, straight, *HSDP)) == 0
     assert main(_train(data_dir, part, *HSDP, "--stop-after", "15")) == 0
-    proc = run_edgc("train", "--resume", str(part), "--stop-after", "30", "--dp-replicate", "1", "--nproc", "1",
-                    "--no-progress", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "resumed on 1 replicas from 2 at step 15: 2 micro-batches a step (was 1)" in proc.stderr
-    after = [r for r in _records(part, "train") if r["step"] > 15]
-    assert [r["step"] for r in after] == list(range(16, 31))
+    err, after = _resume(part, 15, 30, "--dp-replicate", "1", "--nproc", "1", cwd=tmp_path)
+    assert "resumed on 1 replicas from 2 at step 15: 2 micro-batches a step (was 1)" in err
     assert all(r["phase"] == "compress" and r["rank"] > 0 for r in after), after
-    a, b = (_records(d, "val")[-1]["val_loss"] for d in (straight, part))
-    assert abs(b - a) <= 0.03 * a, (b, a)
+    _assert_within_3_percent(straight, part)
     assert load_checkpoint(part / CHECKPOINT_NAME)["hsdp"] == [1, 1]
     # another number of shards is refused in one line
     proc = run_edgc("train", "--resume", str(part), "--stop-after", "30", "--dp-replicate", "1", "--dp-shard", "2",

@@ -27,7 +27,7 @@ FORMAT = "edgc-checkpoint"
 VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
 
-__all__ = ["CHECKPOINT_NAME", "check_compatible", "kept_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "check_compatible", "kept_checkpoints", "load_checkpoint", "save_checkpoint", "saved_tp"]
 
 _KEPT = re.compile(r"checkpoint-(\d+)\.pt")
 
@@ -92,6 +92,12 @@ def load_checkpoint(path: str | Path, *, trust: bool = False) -> dict[str, Any]:
     if data.get("version") != VERSION:
         raise ValueError(f"checkpoint {str(path)!r} has version {data.get('version')}, this edgc reads {VERSION}")
     return data
+
+
+def saved_tp(ckpt: dict[str, Any]) -> int:
+    """The TP ranks of the job that wrote a checkpoint without a pipeline: the third entry
+    of its HSDP layout, 1 without tensor parallelism."""
+    return int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
 
 
 def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, method: str, model_config: dict,

@@ -18,6 +18,7 @@ from edgc.comm.replicas import replica_entry
 from edgc.data.stream import BatchStream
 from edgc.fsdp import EDGCFSDPState
 from edgc.models import build_model
+from edgc.train.checkpoint import saved_tp
 from edgc.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -215,19 +216,9 @@ def restore_resized(ckpt: dict[str, Any], cfg: TrainConfig, module: torch.nn.Mod
     (torch's PowerSGD hook keeps its error feedback per DDP bucket)."""
     (load_weights or load_plain_weights)(module, opt, ckpt)
     entries = ckpt["replicas"]
-    states = [e["comm"] for e in entries]
-    if isinstance(hook_state, EDGCState):
-        restore_state(hook_state, states, resize=True)
-    elif isinstance(hook_state, EDGCFSDPState):
-        hook_state.load_resized(states)
-    elif states[0].get("format") in ("allreduce-state", "no-sync-state", "native-hsdp-state"):  # (counters only)
-        hook_state.load_state_dict({**states[0], "world_size": hook_state.world_size})
-    else:
-        raise ValueError(f"a run of method {ckpt['train']['method']!r} resumes only on the {len(entries)} replicas "
-                         "it was saved on: its state cannot be resized")
+    _load_resized_comm(hook_state, [e["comm"] for e in entries], ckpt["train"]["method"])
     torch.set_rng_state(entries[rank % len(entries)]["torch_rng"])
-    saved_tp = int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
-    saved, saved_accum = len(entries) // saved_tp, int(ckpt["train"]["grad_accum"])
+    saved, saved_accum = len(entries) // saved_tp(ckpt), int(ckpt["train"]["grad_accum"])
     cfg.grad_accum = resized_accum(saved_accum, saved, replicas)  # (and so in the checkpoints it writes)
     if rank == 0:
         logger.warning("resumed on %d replicas from %d at step %d: %d micro-batches a step (was %d), a global batch "
@@ -250,14 +241,26 @@ def restore_resized_stage(ckpt: dict[str, Any], weights: dict[str, Any], module:
     (load_weights or load_plain_weights)(module, opt, weights)
     old = int(ckpt["layout"][1])
     entries = [ckpt["replicas"][(stage * old + j) * tp + tp_rank] for j in range(old)]
-    if isinstance(hook_state, EDGCState):
-        restore_state(hook_state, [e["comm"] for e in entries], resize=True)
-    else:  # ("none": counters only)
-        hook_state.load_state_dict({**entries[0]["comm"], "world_size": hook_state.world_size})
+    _load_resized_comm(hook_state, [e["comm"] for e in entries], ckpt["train"]["method"])
     if compressor is not None:
         compressor.load_state_dict(resized_activation_state([e["activation"] for e in entries]))
     torch.set_rng_state(entries[replica % old]["torch_rng"])
     return int(ckpt["step"])
+
+
+def _load_resized_comm(hook_state: Any, states: list[dict[str, Any]], method: str) -> None:
+    """Load into `hook_state` the compression states of the old replicas it stands for
+    (`states`, one each), resized to its job's replicas; raises ValueError for a method
+    whose state cannot be resized."""
+    if isinstance(hook_state, EDGCState):
+        restore_state(hook_state, states, resize=True)
+    elif isinstance(hook_state, EDGCFSDPState):
+        hook_state.load_resized(states)
+    elif states[0].get("format") in ("allreduce-state", "no-sync-state", "native-hsdp-state"):  # (counters only)
+        hook_state.load_state_dict({**states[0], "world_size": hook_state.world_size})
+    else:
+        raise ValueError(f"a run of method {method!r} resumes only on the {len(states)} replicas it was saved on: "
+                         "its state cannot be resized")
 
 
 def resized_accum(saved_accum: int, saved_replicas: int, replicas: int) -> int:

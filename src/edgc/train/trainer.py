@@ -36,6 +36,7 @@ from edgc.train.checkpoint import (
     check_compatible,
     load_checkpoint,
     save_checkpoint,
+    saved_tp,
 )
 from edgc.train.common import (
     DivergenceGuard,
@@ -103,9 +104,8 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
                          layout=cfg.pipeline_layout(world_size) if cfg.pp > 1 else (1, world_size),
                          hsdp=cfg.hsdp_layout(world_size) if cfg.hsdp else None)
         if ckpt["world_size"] != world_size and cfg.pp == 1:  # (another number of replicas: as restore_resized)
-            saved_tp = int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
             cfg = dataclasses.replace(cfg, grad_accum=resized_accum(
-                int(ckpt["train"]["grad_accum"]), int(ckpt["world_size"]) // saved_tp, world_size // cfg.tp))
+                int(ckpt["train"]["grad_accum"]), int(ckpt["world_size"]) // saved_tp(ckpt), world_size // cfg.tp))
         end = min(cfg.steps, cfg.stop_after or cfg.steps)
         if ckpt["step"] >= end:
             if cfg.stop_after and ckpt["step"] >= cfg.stop_after and cfg.stop_after < cfg.steps:
@@ -463,10 +463,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         ckpt = load_checkpoint(resume, trust=cfg.trust_checkpoint)
         check_compatible(ckpt, world_size=world, preset=cfg.preset, method=cfg.method,
                          model_config=model_config(cfg, meta["vocab_size"]), layout=(1, world), hsdp=run.hsdp)
-        saved_tp = int(ckpt["hsdp"][2]) if len(ckpt.get("hsdp") or ()) > 2 else 1
-        saved_replicas, saved_accum = int(ckpt["world_size"]) // saved_tp, int(ckpt["train"]["grad_accum"])
-        stream = resumed_stream(ckpt, train_tokens, cfg, replica_ranks=[j * saved_tp for j in range(saved_replicas)],
-                                accum=saved_accum)
+        stream = resumed_stream(ckpt, train_tokens, cfg, accum=int(ckpt["train"]["grad_accum"]),
+                                replica_ranks=list(range(0, int(ckpt["world_size"]), saved_tp(ckpt))))
         if int(ckpt["world_size"]) == world:
             start = restore_rank(ckpt, ckpt, model, opt, hook_state, load_weights=run.load_weights)
         else:  # (another number of replicas: check_compatible refuses what cannot be resized)
