@@ -42,7 +42,7 @@ SYNC_MODES = ("pipelined", "whole-step")
 #: The formats the low-rank factors travel in (EDGCConfig.wire; edgc.comm.wire).
 WIRE_FORMATS = ("native", "bf16", "int8", "fp8")
 #: The dtype the error feedback and Q are kept in between steps (EDGCConfig.state_dtype).
-STATE_DTYPES = ("native", "bf16")
+STATE_DTYPES = ("native", "float32", "bf16")
 
 #: The largest rank any config takes (max_rank, min_rank, a run's rank): above every
 #: matrix side of the presets (the widest: GPT-2's 50257-token embedding), and small
@@ -203,9 +203,13 @@ class EDGCConfig:
     feedback keeps what the factors' rounding loses. docs/config.md says why int8."""
 
     state_dtype: str = "native"
-    """The dtype the error feedback and the warm-start Q are kept in between steps:
-    "native" (the working dtype: float32 for float32, bf16 and fp16 gradients) or "bf16"
-    (half the memory; the arithmetic still runs in the working dtype)."""
+    """The dtype the error feedback and the warm-start Q are kept in between steps.
+    "native": the error feedback in the gradient's own dtype (bf16 for fp16 gradients,
+    whose range a residual kept unscaled can leave), as torch's PowerSGD hook keeps it, and
+    Q in the working dtype (float32 for half-precision gradients). "float32": both in the
+    working dtype (twice the memory for bf16 gradients; the same for float32 ones).
+    "bf16": both in bf16 (half the memory for float32 gradients). The arithmetic runs in
+    the working dtype whatever is kept. docs/costs.md gives the bytes and the loss each costs."""
 
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     """The "noise" policy's parameters (edgc.policy.noise)."""

@@ -9,13 +9,15 @@ checkpoint and resume.
 Groups. Once compression starts, the compressible matrices are grouped by shape and
 dtype (edgc.comm.units.Group), each group with its warm-start Q, replica-identical, and
 its error feedback, this replica's own. A group's rank is the policy's, or for long
-matrices (the token embedding) EDGCConfig.long_rank_factor times it (`group_rank`). Both
-Q and the error feedback are held in the working dtype (float32 for
-half-precision gradients), or in bf16 with EDGCConfig.state_dtype "bf16" (the step still
-works in the working dtype, and rounds the new values as it keeps them). The error
-feedback has two buffers, swapped at each commit, and the step's large temporaries live in
-a `Workspace` (edgc.comm.workspace): a step allocates none of them once the first
-compressed step has. The generator that draws Q is seeded alike on every replica.
+matrices (the token embedding) EDGCConfig.long_rank_factor times it (`group_rank`). What
+EDGCConfig.state_dtype keeps them in (`error_dtype`, `q_dtype`): "native", the error
+feedback in the gradient's dtype (bf16 for fp16 gradients, whose range an unscaled residual
+can leave) and Q in the working dtype (float32 for half-precision gradients); "float32",
+both in the working dtype; "bf16", both in bf16. The step always works in the working
+dtype, and rounds the new values as it keeps them. The error feedback is one buffer,
+updated in place at the end of a finite step (edgc.comm.step, "Non-finite gradients"); the
+step's one-matrix temporaries live in a `Workspace` (edgc.comm.workspace), emptied at the
+step's end. The generator that draws Q is seeded alike on every replica.
 
 The plan. `units` is DDP's bucket layout of the last step that had several buckets, as
 slots (edgc.comm.step, "The plan"); kept in checkpoints so that a resumed job cuts its
@@ -177,11 +179,11 @@ class CompressionState:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the state holds: every group's Q and error feedback (both buffers),
-        each storage counted once, and the workspace."""
+        """The bytes the state holds: every group's Q and error feedback, each storage
+        counted once, and the workspace (empty between steps)."""
         storages: dict[int, int] = {}
         for g in self.groups.values():
-            for t in (g.q, g.error, g.spare):
+            for t in (g.q, g.error):
                 if t is not None:
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values()) + self.workspace.nbytes
@@ -214,30 +216,39 @@ class CompressionState:
         self._unit_plans = {}
         for m, n, dtype in sorted(members, key=lambda k: (k[0], k[1], str(k[2]))):
             slots = members[(m, n, dtype)]
-            kept = self.kept_dtype(dtype)
-            q = draw_q(len(slots), n, self.group_rank((m, n), rank), self.generator, dtype=kept, device=device)
-            error = torch.zeros((len(slots), m, n), dtype=kept, device=device) if error_feedback else None
+            q = draw_q(len(slots), n, self.group_rank((m, n), rank), self.generator, dtype=self.q_dtype(dtype),
+                       device=device)
+            error = (torch.zeros((len(slots), m, n), dtype=self.error_dtype(dtype), device=device)
+                     if error_feedback else None)
             group = Group((m, n), slots, q, error, dtype)
             self.groups[group.key] = group
         return self.matrix_shapes()
 
-    def kept_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype Q and the error feedback of gradients in `dtype` are kept in."""
+    def q_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the warm-start Q of gradients in `dtype` is kept in."""
         return torch.bfloat16 if self.state_dtype == "bf16" else working_dtype(dtype)
+
+    def error_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the error feedback of gradients in `dtype` is kept in: "native" the
+        gradient's own (bf16 for fp16: a residual kept unscaled can leave fp16's range),
+        "float32" the working dtype, "bf16" bf16."""
+        if self.state_dtype == "bf16" or (self.state_dtype == "native" and dtype == torch.float16):
+            return torch.bfloat16
+        return dtype if self.state_dtype == "native" else working_dtype(dtype)
 
     def matrix_shapes(self) -> list[tuple[int, int]]:
         """The (m, n) of every compressed matrix, group by group."""
         return [g.shape for g in self.groups.values() for _ in g.slots]
 
     def restore_groups(self, devices: Mapping[int, torch.device], dtypes: Mapping[int, torch.dtype]) -> None:
-        """The loaded state's groups, on the gradients' device and in their working dtype
-        (`devices` and `dtypes` by slot)."""
+        """The loaded state's groups, on the gradients' device and in the dtypes this
+        state keeps (`devices` and `dtypes` by slot: the gradients')."""
         for g in self.pending_groups or []:
             device, dtype = devices[g["slots"][0]], dtypes[g["slots"][0]]
             shape = (int(g["shape"][0]), int(g["shape"][1]))
-            kept = self.kept_dtype(dtype)
-            error = None if g["error"] is None else g["error"].to(device=device, dtype=kept)
-            group = Group(shape, list(g["slots"]), g["q"].to(device=device, dtype=kept), error, dtype)
+            error = None if g["error"] is None else g["error"].to(device=device, dtype=self.error_dtype(dtype))
+            q = g["q"].to(device=device, dtype=self.q_dtype(dtype))
+            group = Group(shape, list(g["slots"]), q, error, dtype)
             self.groups[group.key] = group
         self.pending_groups = None
         self._unit_plans = {}
@@ -274,15 +285,13 @@ class CompressionState:
                 grads[s].add_(g.error[i].view(grads[s].shape), alpha=scale)
             g.error.zero_()
 
-    def commit(self, next_error: Mapping[int, torch.Tensor], next_q: Mapping[int, torch.Tensor],
-               dead: Sequence[torch.Tensor], dead_counts: Sequence[int]) -> None:
-        """Keep a finite compressed step's new error feedback and Q by group column, and
-        redraw the all-zero Q matrices (`dead`, (B,) masks, `dead_counts` of them), which
-        would stay zero forever. Q is replica-identical after its all-reduce, so every
-        replica redraws the same ones."""
+    def commit(self, next_q: Mapping[int, torch.Tensor], dead: Sequence[torch.Tensor],
+               dead_counts: Sequence[int]) -> None:
+        """Keep a finite compressed step's new Q by group column (its error feedback was
+        updated in place), and redraw the all-zero Q matrices (`dead`, (B,) masks,
+        `dead_counts` of them), which would stay zero forever. Q is replica-identical after
+        its all-reduce, so every replica redraws the same ones."""
         for c, g in enumerate(self.groups.values()):
-            if g.error is not None:  # (the spare buffer the step wrote: the two swap)
-                g.error, g.spare = next_error[c], g.error
             g.q = next_q[c]
             if dead_counts[c]:
                 g.q[dead[c]] = draw_q(dead_counts[c], g.q.shape[1], g.q.shape[2], self.generator, dtype=g.q.dtype,
@@ -294,7 +303,7 @@ class CompressionState:
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """Slots, groups (as CPU tensors), the plan and the generator. `copy` False: the
         CPU tensors are the live ones, not copies, for a caller that serialises the dict
-        at once (edgc.fsdp): the next step overwrites them (the error's buffers swap)."""
+        at once (edgc.fsdp): the next step overwrites them (the error is updated in place)."""
         def cpu(t: torch.Tensor) -> torch.Tensor:
             t = t.detach().cpu()
             return t.clone() if copy else t

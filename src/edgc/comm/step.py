@@ -10,11 +10,12 @@ Units. The gradient is synchronised in units, sets of parameter slots (the compr
 state numbers the parameters by slot). A unit's round is local arithmetic around at most two
 collectives per gradient dtype in flight at a time:
 
-    start      M = G + error, P = M Q (same-shape matrices stacked: one bmm)
+    start      M = G + error, P = M Q
                -> all-reduce SUM of the unit's uncompressed tensors and of its P
     finish P   wait; orthogonalise P; Q = M^T P
                -> all-reduce SUM of Q
-    complete   wait; Q /= W; G = P Q^T; error = M - P Q^T
+    complete   wait; Q /= W; then, once the step is known finite (below),
+               error = M - P Q^T and G = P Q^T
 
 (a step sent uncompressed has one all-reduce per unit, completed like a Q). With a
 quantized wire format (EDGCConfig.wire, edgc.comm.wire) the sums of P and Q are each a
@@ -68,16 +69,30 @@ sums). The price is overlap: a merged unit starts at its last bucket, so the byt
 buckets before it leave later. DDP's first step of a job, which has no plan yet, is not
 merged, and the whole-step mode, one unit already, ignores the threshold.
 
+Memory. A step keeps no copy of the gradient's matrices. Where the gradient is in the
+working dtype (float32, float64), M = G + error is written into the gradient itself, the
+bucket DDP hands over, whose values are replaced by the average anyway; for half-precision
+gradients M is recomputed from G and the error, one matrix at a time, into a workspace
+(edgc.comm.workspace) each time it is read (for P, for Q, at the end). The matrices of a
+part are worked on one by one: no temporary is larger than one matrix, and the workspace
+is emptied at the end of the step. The error feedback is one buffer, updated in place.
+
 Non-finite gradients. When a unit finishes, a later unit of the same step may still turn
-out non-finite, and a host read per bucket would stall a GPU. So the new error feedback
-and Q are written aside and committed at the end of the step only if every summed P and
-uncompressed buffer of the step was finite: a device flag, read once per step. Any
-replica's inf/nan makes a sum non-finite on every replica, so all replicas skip the commit
-alike. The average of such a step is non-finite too (an inf or nan in a P sum spreads to
-its whole matrix through the orthogonalisation), the same on every replica, and the
-optimiser or GradScaler skips it. (The new error goes into the group's spare buffer,
-swapped in by the commit: no step allocates one; M_hat, and a stacked M that has no place
-there, reuse a workspace.)
+out non-finite, and a host read per bucket would stall a GPU. So a compressed unit's
+average and new error feedback are written only at the end of the step, after one host
+read of a device flag that says whether every summed P and uncompressed buffer of the step
+was finite (M waits in the gradient, or is recomputed from it); only then is each
+matrix's error replaced by M - P Q^T, and the new Q kept. Any replica's inf/nan makes a
+sum non-finite on every replica, so all replicas leave their error feedback and Q alike.
+The average of such a step is non-finite too (an inf or nan in a P sum spreads to its
+whole matrix through the orthogonalisation), the same on every replica, and the optimiser
+or GradScaler skips it. The collectives are issued on the same lag as ever: only the
+arithmetic after the last one waits. The eager mode (edgc.fsdp) must hand each buffer
+back averaged before its call returns, before the step's end is known: there a unit
+keeps its new error feedback only where every sum of the step so far, its own included,
+was finite (a device-side choice, no host read), and Q is kept only for a finite step;
+the units of a non-finite step before the one that turned non-finite keep their new
+error, the residual of an average the optimiser then skips.
 
 Host reads and blocking. Nothing is read to the host in a bucket's hook call but the
 last's. At the last bucket: the end-of-step flag (with the count of all-zero Q matrices
@@ -106,7 +121,6 @@ from edgc.comm.compression import CompressionState, Entry
 from edgc.comm.control import ENTROPY, add_error_sums, control_values
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.comm.units import (
-    Group,
     PartPlan,
     UnitPlan,
     coarse_units,
@@ -117,7 +131,7 @@ from edgc.comm.units import (
     working_dtype,
 )
 from edgc.comm.wire import alignment
-from edgc.compress import compressible, error_feedback_, orthogonalize_, project_p, project_q, reconstruct
+from edgc.compress import compressible, orthogonalize_
 from edgc.entropy import sample_into
 
 __all__ = ["StepInfo", "StepResult", "StepSync"]
@@ -173,7 +187,9 @@ class _Part:
     """One group's matrices of a unit, in flight."""
 
     plan: PartPlan
-    m: torch.Tensor  # (B', m, n) M = G + error, then the new error; working dtype
+    grads: list[torch.Tensor]  # each matrix's gradient, (m, n) views of the buckets
+    errors: list[torch.Tensor] | None  # each matrix's error feedback, (m, n) views of the group's
+    in_place: bool  # the gradient is in the working dtype and holds M = G + error until the end
     q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on
     p: torch.Tensor | None = None  # (B', m, r) working dtype
     p_send: torch.Tensor | None = None  # the same on the wire (a view of the unit's P buffer)
@@ -248,8 +264,8 @@ class StepSync:
                 self.sample = torch.empty(offsets[-1], dtype=dtype, device=self.device)
             if eager:
                 self.average = torch.empty(offsets[-1], dtype=dtype, device=self.device)
-        self.next_error: dict[int, torch.Tensor] = {}  # group column -> its new error feedback
-        self.next_q: dict[int, torch.Tensor] = {}
+        self.next_q: dict[int, torch.Tensor] = {}  # group column -> its new Q
+        self.ending: list[_Round] = []  # compressed rounds whose average waits for the step's end
 
     # ------------------------------------------------------------------ the framework's side
 
@@ -302,6 +318,7 @@ class StepSync:
             self.collectives.wait([work])
             control[ENTROPY:] /= self.collectives.control_size
         finite = self._commit() if info.compressed else True
+        compression.workspace.clear()  # (its buffers are one matrix each, allocated again next step)
         return StepResult(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap, self.average,
                           self.layout if len(self.layout) > 1 else None, self.bytes_uncompressed,
                           self.entropy_seconds)
@@ -378,12 +395,13 @@ class StepSync:
         """M and P of a unit, and its first collectives."""
         plan = self.compression.unit_plan(unit, self.groups, self.device)
         r = _Round(plan, flatten_by_dtype(self.grads, plan.uncompressed, self.align))
-        r.parts = [self._project_p(part) for part in plan.parts]
+        r.parts = [self._part(part) for part in plan.parts]
         if r.parts:
             r.p_flats, works, sends = _factor_buffers(r.parts, 0, self.device, self.wire)
             for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
-                project_p(part.m, part.q_in, out=p)
+                for i in range(len(part.grads)):
+                    _mm(self._m(part, i), part.q_in[i], p[i])
                 if send is not p:
                     send.copy_(p)  # (to the wire dtype)
         # collectives: sum of the unit's uncompressed tensors (numel elements), then of its
@@ -392,33 +410,31 @@ class StepSync:
         r.works += [self._sum(flat) for flat in r.p_flats]
         return r
 
-    def _project_p(self, part: PartPlan) -> _Part:
-        """M = G + error for a unit's matrices of one group, written where the group's new
-        error feedback will live when their positions in the group are consecutive."""
-        g, index, info = part.group, part.index, self.info
+    def _part(self, part: PartPlan) -> _Part:
+        """A unit's matrices of one group; where the gradient is in the working dtype, M =
+        G + error is written into it now (see "Memory")."""
+        g = part.group
         work = working_dtype(g.dtype)
-        views = [self.grads[s].view(g.shape) for s in part.slots]
-        if g.error is None:
-            m = self._stack(part.column, views, work)  # (B', m, n)
-        else:
-            if part.column not in self.next_error:
-                self.next_error[part.column] = g.spare_error()  # (swapped in at the commit)
-            if _in_place(part, g):
-                m = self.next_error[part.column][index]  # (B', m, n), a view
-                torch.stack(views, out=m)
-            else:
-                m = self._stack(part.column, views, work)
-            m.add_(_take(g.error, index), alpha=info.scale)  # (the residual is kept unscaled)
-        q_in = _take(g.q, index).to(work)  # (.to: Q kept in bf16 is worked on in the working dtype)
-        return _Part(part, m, q_in)
+        grads = [self.grads[s].view(g.shape) for s in part.slots]
+        errors = None if g.error is None else [g.error[i] for i in part.positions]
+        in_place = g.dtype == work
+        if in_place and errors is not None:
+            for grad, error in zip(grads, errors, strict=True):
+                grad.add_(error, alpha=self.info.scale)  # (the residual is kept unscaled)
+        q_in = _take(g.q, part.index).to(work)  # (.to: Q kept in bf16 is worked on in the working dtype)
+        return _Part(part, grads, errors, in_place, q_in)
 
-    def _stack(self, column: int, views: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
-        """A part's matrices stacked, (B', m, n) in the working dtype. Eager (one unit in
-        flight at a time, a part per group): into the group's workspace buffer."""
-        if not self.eager or views[0].dtype != work:
-            return torch.stack(views).to(work)
-        into = self.compression.workspace.take(f"m{column}", (len(views), *views[0].shape), work, views[0].device)
-        return torch.stack(views, out=into)
+    def _m(self, part: _Part, i: int) -> torch.Tensor:
+        """M = G + error of a part's i-th matrix, in the working dtype: the gradient itself
+        where M was written into it, else computed afresh into the workspace."""
+        if part.in_place:
+            return part.grads[i]
+        grad = part.grads[i]
+        m = self.compression.workspace.take("m", tuple(grad.shape), part.q_in.dtype, grad.device)
+        m.copy_(grad)
+        if part.errors is not None:
+            m.add_(part.errors[i], alpha=self.info.scale)
+        return m
 
     def _sum(self, flat: torch.Tensor) -> Issued:
         """Issue the sum of a buffer (factors, or tensors sent whole) over the replicas, in
@@ -439,7 +455,8 @@ class StepSync:
         for part, q, send in zip(r.parts, works, sends, strict=True):
             part.q, part.q_send = q, send
             assert part.p is not None
-            project_q(part.m, part.p, out=q)
+            for i in range(len(part.grads)):
+                _mm(self._m(part, i).T, part.p[i], q[i])
             if send is not q:
                 send.copy_(q)
         # collectives: all-reduce SUM of the unit's Q ((n*r) per matrix), one buffer per dtype
@@ -448,40 +465,57 @@ class StepSync:
         self.in_q.append(r)
 
     def _complete(self, r: _Round) -> None:
-        """Wait for a unit's last collectives; write its average into the buckets and its
-        new error feedback and Q aside (committed at the end of the step)."""
+        """Wait for a unit's last collectives; average what it sent whole and keep its new
+        Q aside (committed at the end of the step). Its compressed matrices' average and
+        error feedback wait for the step's end (see "Non-finite gradients"); eager, they
+        are written now."""
         info, world = self.info, self.collectives.world_size
         self.collectives.wait(r.works, self.step_comm)
         if (info.compressed or info.watch_average) and not r.parts:
             for flat in [*(f for f, _ in r.flats), *r.p_flats]:
                 self.ok &= torch.isfinite(flat).all()
         for part in r.parts:
-            g, index = part.plan.group, part.plan.index
-            assert part.p is not None and part.q is not None and part.q_send is not None  # (set by _finish_p)
+            assert part.q is not None and part.q_send is not None  # (set by _finish_p)
             if part.q_send is not part.q:
                 part.q.copy_(part.q_send)
             part.q.div_(world)
-            # M_hat (B', m, n): straight into the gradient when it is one matrix in the
-            # working dtype, else into the workspace and copied out
-            first = self.grads[part.plan.slots[0]]
-            direct = len(part.plan.slots) == 1 and first.dtype == part.p.dtype and first.is_contiguous()
-            ws = self.compression.workspace
-            m_hat = reconstruct(part.p, part.q, out=first.view(part.m.shape) if direct else
-                                ws.take("m_hat", tuple(part.m.shape), part.p.dtype, part.p.device))
-            for i, s in enumerate([] if direct else part.plan.slots):
-                self.grads[s].copy_(m_hat[i].view(self.grads[s].shape))
-            if g.error is not None:
-                error_feedback_(part.m, m_hat)
-                if info.scale != 1.0:
-                    part.m.div_(info.scale)
-                if not _in_place(part.plan, g):
-                    _put(self.next_error[part.plan.column], index, part.m)
-            if part.plan.column not in self.next_q:
-                self.next_q[part.plan.column] = torch.empty_like(g.q)
-            _put(self.next_q[part.plan.column], index, part.q)
+            column = part.plan.column
+            if column not in self.next_q:
+                self.next_q[column] = torch.empty_like(part.plan.group.q)
+            _put(self.next_q[column], part.plan.index, part.q)
         for flat, slots in r.flats:
             flat.div_(world)
             scatter(flat, [self.grads[s] for s in slots], self.align)
+        if r.parts and not self.eager:
+            self.ending.append(r)
+        else:
+            self._end(r, self.ok)
+
+    def _end(self, r: _Round, keep: bool | torch.Tensor) -> None:
+        """A unit's compressed matrices: the new error feedback M - P Q^T where `keep` (a
+        host bool, or eager a device flag), and the average P Q^T into the gradient; then
+        hand back the buckets it completes."""
+        ws = self.compression.workspace
+        for part in r.parts:
+            p, q = part.p, part.q
+            assert p is not None and q is not None
+            for i, grad in enumerate(part.grads):
+                m = self._m(part, i)  # (in place: the gradient)
+                m_hat = _mm(p[i], q[i].T, ws.take("m_hat", tuple(m.shape), m.dtype, m.device))
+                if part.errors is not None and keep is not False:
+                    error = part.errors[i]
+                    if keep is True and error.dtype == m.dtype:
+                        torch.sub(m, m_hat, out=error)
+                        if self.info.scale != 1.0:
+                            error.div_(self.info.scale)
+                    else:  # (M is the gradient's or the workspace's, and not read again)
+                        m.sub_(m_hat)
+                        if self.info.scale != 1.0:
+                            m.div_(self.info.scale)
+                        if keep is not True:
+                            torch.where(keep, m, error, out=m)
+                        error.copy_(m)
+                grad.copy_(m_hat)
         if self.average is not None:
             rate = self.config.gradient_sample_rate
             for s in r.plan.slots:
@@ -513,20 +547,24 @@ class StepSync:
         self.error_sums = add_error_sums(self.error_sums, mats, self.info, self.config)
 
     def _commit(self) -> bool:
-        """Keep the step's new error feedback and Q if every sum was finite; returns
-        whether it was. One host read: that flag and each group's count of all-zero Q."""
+        """Write the compressed rounds' averages, and keep the step's new error feedback
+        and Q if every sum was finite; returns whether it was. One host read: that flag
+        and each group's count of all-zero Q."""
         dead = [self.next_q[c].flatten(1).abs().amax(dim=1) == 0 for c in range(len(self.groups))]
         flags = torch.stack([self.ok.long(), *(d.sum() for d in dead)]).tolist()
+        for r in self.ending:
+            self._end(r, bool(flags[0]))
+        self.ending = []
         if not flags[0]:
             return False
-        self.compression.commit(self.next_error, self.next_q, dead, flags[1:])
+        self.compression.commit(self.next_q, dead, flags[1:])
         return True
 
 
-def _in_place(part: PartPlan, g: Group) -> bool:
-    """Whether a part's M is computed where its group's new error feedback lives: its
-    positions in the group are consecutive and the error is kept in the working dtype."""
-    return isinstance(part.index, slice) and g.error is not None and g.error.dtype == working_dtype(g.dtype)
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = a @ b for one matrix, as a batch of one (torch.bmm): the same float results
+    whatever the batch the matrix is worked on in, and as edgc's batched steps gave."""
+    return torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out=out.unsqueeze(0))[0]
 
 
 def _take(t: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
@@ -546,5 +584,5 @@ def _factor_buffers(parts: list[_Part], side: int, device: torch.device | None, 
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The buffers of P (`side` 0: m rows a matrix) or Q (1: n rows) of every part
     (edgc.comm.units.factor_buffers)."""
-    shapes = [(len(p.plan.slots), p.plan.group.shape[side], p.q_in.shape[-1]) for p in parts]
+    shapes = [(len(p.grads), p.plan.group.shape[side], p.q_in.shape[-1]) for p in parts]
     return factor_buffers([p.plan.group for p in parts], shapes, device, wire)

@@ -30,19 +30,9 @@ class Group:
 
     shape: tuple[int, int]  # (m, n)
     slots: list[int]  # parameter slots, in slot order
-    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical, in the working dtype
-    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own, working dtype
+    q: torch.Tensor  # (B, n, r) warm-start Q, replica-identical (CompressionState.q_dtype)
+    error: torch.Tensor | None  # (B, m, n) error feedback, this replica's own (CompressionState.error_dtype)
     dtype: torch.dtype = torch.float32  # the gradients' dtype: what travels on the wire
-    spare: torch.Tensor | None = None  # (B, m, n) the error's second buffer: a step writes the new error here
-
-    def spare_error(self) -> torch.Tensor:
-        """The buffer a step writes the new error feedback into (its contents are
-        stale): the error's second buffer, allocated once and swapped with the error at
-        each commit (CompressionState.commit), so that no step allocates a new one."""
-        assert self.error is not None  # (only groups that keep an error feedback)
-        if self.spare is None or self.spare.shape != self.error.shape or self.spare.dtype != self.error.dtype:
-            self.spare = torch.empty_like(self.error)
-        return self.spare
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -133,6 +123,7 @@ class PartPlan:
     column: int  # the group's position among the compression state's groups
     index: slice | torch.Tensor  # their positions in the group: a slice when consecutive
     slots: list[int]  # their slots, in group order
+    positions: list[int]  # their positions in the group, as numbers
 
 
 @dataclass
@@ -160,7 +151,7 @@ def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.de
         pos = positions[c]  # ascending, as slots and g.slots are
         consecutive = pos == list(range(pos[0], pos[-1] + 1))
         index = slice(pos[0], pos[-1] + 1) if consecutive else torch.tensor(pos, dtype=torch.long, device=device)
-        parts.append(PartPlan(groups[c], c, index, [groups[c].slots[p] for p in pos]))
+        parts.append(PartPlan(groups[c], c, index, [groups[c].slots[p] for p in pos], pos))
     return UnitPlan(ordered, [s for s in ordered if s not in where], parts)
 
 
