@@ -59,7 +59,7 @@ def reachable_bytes(root: Any, exclude: set[int]) -> int:
 def _waiting(hook: Any) -> Any:
     """torch's hook, waiting on its future before returning: unwaited, several buckets can
     deadlock under gloo (edgc.comm.hook's module docstring)."""
-    def wrapped(state: Any, bucket: Any) -> torch.futures.Future:
+    def wrapped(state, bucket):  # (unannotated: DDP checks the annotations a hook has)
         out = hook(state, bucket).wait()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(out)

@@ -11,6 +11,7 @@ from edgc.bench.simulate.cluster import ClusterSpec, load_cluster
 from edgc.bench.simulate.costs import CostSource
 from edgc.bench.simulate.gpu import GPUS, RooflineModel, find_gpu
 from edgc.bench.simulate.layout import LAYOUTS
+from edgc.bench.simulate.memory import DTYPES, check_layout, memory_report, named_model
 from edgc.bench.simulate.model import SimOptions, parse_schedule, simulate
 from edgc.bench.simulate.profile import CostProfile, DeviceTimer
 from edgc.bench.simulate.report import format_projection
@@ -27,7 +28,8 @@ examples:
   edgc simulate --cluster paper-12.1b --gpu H100-SXM5                costs from another GPU's roofline
   edgc simulate --cluster paper-2.5b --device cuda --save-profile p.json
                                                                      costs timed on this GPU, and saved
-  edgc simulate --cluster my-cluster.toml --profile p.json           a cluster of your own, saved costs"""
+  edgc simulate --cluster my-cluster.toml --profile p.json           a cluster of your own, saved costs
+  edgc simulate --memory --gpt 32,4096 --dp-shard 8                  edgc's state per GPU: a 6.7B GPT, HSDP"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +73,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply compression/entropy times by this (default: 1.0, as modelled or measured)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per shape and rank (--device only)")
+    mem = p.add_argument_group("memory", "--memory prints the bytes edgc's hook state takes per GPU, and nothing else")
+    mem.add_argument("--memory", action="store_true",
+                     help="print the hook state's bytes per GPU for the model and layout (no projection)")
+    mem.add_argument("--gpt", metavar="LAYERS,WIDTH", default=None,
+                     help="count a GPT-2-shaped model of this depth and width instead of --preset (--memory only)")
+    mem.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the cluster's)")
+    mem.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the cluster's)")
+    mem.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shard group size (1: DDP)")
+    mem.add_argument("--grad-dtype", choices=sorted(DTYPES), default=None,
+                     help="the gradients' dtype (default: the cluster's, 2-byte gradients as bf16)")
+
+
+def _memory(args: argparse.Namespace, cluster: ClusterSpec) -> int:
+    """`--memory`: print the hook state's bytes per GPU (edgc.bench.simulate.memory); returns 0."""
+    tp = cluster.tp if args.tp is None else args.tp
+    pp = cluster.pp if args.pp is None else args.pp
+    check_layout(tp, pp, args.dp_shard)
+    dtype = args.grad_dtype or ("float32" if cluster.grad_bytes == 4 else "bf16")
+    model, name = named_model(args.preset or cluster.preset, args.gpt)
+    print(memory_report(model, name, dtype, tp, pp, args.dp_shard, args.rank_max, args.tp_layout), end="")
+    return 0
 
 
 def _timing_dtype(device: str, cluster: ClusterSpec) -> str:
@@ -119,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
     FileNotFoundError for bad input (the CLI prints them).
     """
     cluster = load_cluster(args.cluster)
+    if args.memory:
+        return _memory(args, cluster)
+    if args.gpt is not None or args.tp is not None or args.pp is not None or args.dp_shard != 1:
+        raise ValueError("--gpt, --tp, --pp and --dp-shard go with --memory (the projection takes the cluster's layout)")
     overrides = {k: v for k, v in (("preset", args.preset), ("steps", args.steps)) if v is not None}
     if overrides:
         cluster = ClusterSpec.from_dict({**cluster.__dict__, **overrides})
