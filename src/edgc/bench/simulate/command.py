@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     if args.memory:
         return _memory(args, cluster)
     if args.gpt is not None or args.tp is not None or args.pp is not None or args.dp_shard != 1:
-        raise ValueError("--gpt, --tp, --pp and --dp-shard go with --memory (the projection takes the cluster's layout)")
+        raise ValueError("--gpt, --tp, --pp and --dp-shard go with --memory "
+                         "(the projection takes the cluster's layout)")
     overrides = {k: v for k, v in (("preset", args.preset), ("steps", args.steps)) if v is not None}
     if overrides:
         cluster = ClusterSpec.from_dict({**cluster.__dict__, **overrides})

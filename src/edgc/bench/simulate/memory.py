@@ -44,7 +44,8 @@ def gpu_shapes(model: GPT, tp: int, pp: int, dp_shard: int, tp_layout: str = "vo
     """Per pipeline stage, the shapes of the gradient one GPU of that stage synchronises."""
     if dp_shard < 1:
         raise ValueError(f"dp_shard must be at least 1, got {dp_shard}")
-    return [[(-(-s[0] // dp_shard), *s[1:]) for s in stage.shapes] for stage in stage_gradients(model, tp, pp, tp_layout)]
+    stages = stage_gradients(model, tp, pp, tp_layout)
+    return [[(-(-s[0] // dp_shard), *s[1:]) for s in stage.shapes] for stage in stages]
 
 
 def memory_report(model: GPT, name: str, dtype: str, tp: int, pp: int, dp_shard: int, rank: int,
