@@ -116,6 +116,16 @@ class EDGCFSDPState:
     def config(self) -> EDGCConfig:
         return self.sync.config
 
+    @property
+    def enabled(self) -> bool:
+        """As EDGCState.enabled: False, and each buffer is all-reduced whole over the
+        replicate group in its own dtype, as native HSDP does."""
+        return self.sync.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.sync.enabled = bool(on)
+
     def stats(self) -> EDGCStats:
         """This process's counters; bytes are those handed to collectives across the
         replicate group (the inter-node wire), and bytes_uncompressed what native HSDP's

@@ -79,7 +79,8 @@ def train(rank: int, world: int, mode: str, config: dict | None, steps: int,
     as with native HSDP: set_requires_all_reduce), "dtype" of MixedPrecisionPolicy,
     "stop_at" a step to save a checkpoint at (model, optimiser, EDGC state; returned),
     "resume" one such checkpoint per rank to start from, "layout" (replicate, shard),
-    "vocab" the embedding's and head's rows (the batches' tokens stay below VOCAB).
+    "vocab" the embedding's and head's rows (the batches' tokens stay below VOCAB), "off"
+    the steps with EDGC switched off (state.enabled False).
     Returns the full parameters, the losses, the ranks and the stats."""
     options = options or {}
     accum, dtype, stop_at = options.get("accum", 1), options.get("dtype"), options.get("stop_at")
@@ -99,6 +100,8 @@ def train(rank: int, world: int, mode: str, config: dict | None, steps: int,
     shard = mesh["shard"].get_local_rank()
     replica = mesh["replicate"].get_local_rank()
     for step in range(start, steps):
+        if state is not None:
+            state.enabled = step not in options.get("off", ())
         for micro in range(accum):
             last = micro == accum - 1
             model.set_requires_all_reduce(last)

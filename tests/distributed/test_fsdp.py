@@ -48,6 +48,16 @@ def test_edgc_matches_native_hsdp_in_warmup_then_compresses_with_replicas_identi
     _check_compressed_run(run_workers(fsdp_workers.train, 4, "edgc", config, 12, timeout=300), 12)
 
 
+def test_switched_off_edgc_is_native_hsdp_and_on_again_it_warms_up_from_where_it_stopped():
+    native = run_workers(fsdp_workers.train, 4, "native", None, 3, timeout=300)
+    off = run_workers(fsdp_workers.train, 4, "edgc", dict(BASE, policy="static"), 6, {"off": (0, 1, 2)},
+                      timeout=300)
+    for a, b in zip(native, off, strict=True):
+        assert a["losses"] == b["losses"][:3]  # (the same steps, bit for bit)
+        assert b["stats"].step == 3 and b["stats"].compressed_steps == 0  # the 3 steps switched on, warming up
+    _check_compressed_run([dict(r, ranks=r["ranks"][3:], losses=r["losses"][3:]) for r in off], 3, warmup=3)
+
+
 def test_edgc_resumes_exactly_mid_window():
     config = dict(BASE, policy="noise")
     straight = run_workers(fsdp_workers.train, 4, "edgc", config, 10, {"stop_at": 5}, timeout=300)

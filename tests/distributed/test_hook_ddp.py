@@ -165,3 +165,15 @@ def test_learning_rate_drop_raises_the_rank_for_one_window_even_when_one_replica
         assert [s[3] for s in r["signals"][3::4]] == [False, False, False, True, False, False]
     results = run_workers(workers.train_and_report, 2, never, 24, timeout=240)  # the control: no drop
     assert _windows([s[0] for s in results[0]["signals"]]) == [8, 4, 4, 4, 4]
+
+
+def test_switched_off_the_hook_all_reduces_plainly_and_changes_no_state():
+    # warm-up 4, 2 compressed steps, 3 with state.enabled = False, 3 on again
+    out = run_workers(workers.switch_check, 2, dict(DYNAMIC, policy="static"), timeout=240)
+    for r in out:
+        assert r["plain"] == [True, True, True]  # each gradient the plain mean, bit for bit
+        assert_same(r["before"], r["after"], "state")  # nothing of the state moved, step count included
+        assert repr(r["stats_before"]) == repr(r["stats_after"])  # (repr: nan equals nan)
+        end = r["stats_end"]
+        assert end.compressed_steps == r["stats_before"].compressed_steps + 3 and end.step_rank > 0
+    assert torch.equal(out[0]["params"], out[1]["params"])

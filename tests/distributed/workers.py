@@ -733,3 +733,30 @@ def resize_check(rank: int, world: int, folder: str) -> dict:
     stats = state.stats()
     return {"loaded": loaded, "refused": refused, "ranks": ranks, "phase": stats.phase,
             "compressed_steps": stats.compressed_steps, "step": stats.step}
+
+
+def switch_check(rank: int, world: int, config_kwargs: dict) -> dict:
+    """6 steps (4 warm-up, 2 compressed), 3 with `state.enabled = False`, 3 on again.
+    Returns whether each switched-off step's gradient was the plain mean of the local ones
+    (the same batch's gradient, all-reduced by hand), and the state and stats before and
+    after those steps."""
+    model, ddp, state, opt = _make(EDGCConfig.from_dict(config_kwargs))
+    _train(ddp, opt, state, rank, 0, 6)
+    before, stats_before = state.state_dict(), state.stats()
+    state.enabled = False
+    plain = []
+    for step in range(6, 9):
+        idx, target = _batch(step, rank)
+        local = [torch.autograd.grad(F.cross_entropy(model(idx).reshape(-1, 64), target.reshape(-1)), p)[0]
+                 for p in [next(model.parameters())]]
+        for g in local:
+            dist.all_reduce(g)
+            g.div_(world)
+        _train(ddp, opt, state, rank, step, 1)
+        plain.append(torch.equal(next(model.parameters()).grad, local[0]))
+    after, stats_after = state.state_dict(), state.stats()
+    state.enabled = True
+    _train(ddp, opt, state, rank, 9, 3)
+    return {"plain": plain, "before": before, "after": after, "stats_before": stats_before,
+            "stats_after": stats_after, "stats_end": state.stats(),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}

@@ -57,6 +57,19 @@ class EDGCState:
         return self.sync.config
 
     @property
+    def enabled(self) -> bool:
+        """Whether the hook compresses. Set False (between steps, alike on every replica)
+        and each bucket is averaged by one plain all-reduce in its own dtype, as DDP does
+        without a hook: no compression, no quantization, and nothing of this state
+        changes (step count and stats included). Set True again and compression goes on
+        where it stopped, the error feedback's residual with it."""
+        return self.sync.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.sync.enabled = bool(on)
+
+    @property
     def alignment(self) -> Any:
         """A pipeline stage's DAC (edgc.comm.pipeline.StageAlignment), or None."""
         return self.sync.alignment

@@ -132,6 +132,7 @@ class GradientSync:
         self._pending_alignment: tuple[int, int] | None = None  # (rank, step) for align()
         self._loaded: dict[str, Any] | None = None  # a state loaded and not stepped from yet
         self._shapes_bound = True  # the policy knows the compressed matrices' shapes
+        self.enabled = True  # False: every buffer plain all-reduced, nothing here changes (`_plain`)
         self._step: StepSync | None = None  # the step whose buffers are being handed over
         self._buffers: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] | None = None
         # stats
@@ -327,8 +328,11 @@ class GradientSync:
         """One flat buffer of gradients, holding `entries` one after the other: hand it to
         the step under way, or start one. `future` is completed with `buffer` once it holds
         the average (eager: before this returns); `last` ends the step."""
-        lap = start_lap(buffer.device)
         step = self._step
+        if not self.enabled and step is None and self._buffers is None:  # (switched off between steps)
+            self._plain(buffer, future)
+            return
+        lap = start_lap(buffer.device)
         try:
             if step is None and self._buffers is None:  # the step's first buffer
                 if self.collectives.bound is None:
@@ -366,6 +370,31 @@ class GradientSync:
             raise
         finally:
             self._busy.add(lap.stop())
+
+    def _plain(self, buffer: torch.Tensor, future: torch.futures.Future) -> None:
+        """EDGC switched off (`enabled` False, the same on every replica): average the
+        buffer with one all-reduce in its own dtype, as DDP does without a hook (eager:
+        before returning), and change nothing of the state, its step count and stats
+        included. Switched on again, compression goes on where it stopped."""
+        world = self.collectives.world_size
+        if world == 1:
+            future.set_result(buffer)
+            return
+        # collective: all-reduce SUM of the buffer as it is (no compression, no quantization)
+        work = dist.all_reduce(buffer, group=self.collectives.process_group, async_op=True)
+        if self.eager:
+            work.wait()
+            future.set_result(buffer.div_(world))
+            return
+
+        def done(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+                future.set_result(buffer.div_(world))
+            except Exception as exc:  # (a failed all-reduce reaches DDP, which waits on `future`)
+                future.set_exception(exc)
+
+        work.get_future().then(done)
 
     def _pipelined_next(self) -> bool:
         """Whether the next step can start its units at its first buffer (decided from

@@ -1,13 +1,11 @@
-"""Scratch buffers a step reuses across units and steps, instead of allocating afresh.
+"""Scratch buffers a step reuses across the matrices it works on, instead of allocating afresh.
 
-A compressed step needs, per unit and group, temporaries as large as the matrices it
-compresses: the reconstruction M_hat = P Q^T (B', m, n) and, where M cannot be written
-into the error feedback's spare buffer, M itself. Allocated per unit, every step, they are
-the step's largest allocations after the gradient itself; on the CPU the allocator
-(glibc malloc) keeps much of what such a stream of large, short-lived blocks frees, and
-the process's resident set grows well beyond what is live at any time. A `Workspace`
-keeps one flat buffer per name, dtype and device, grown to the largest request seen and
-handed out as views: after the first compressed step a step allocates none of them.
+A compressed step needs temporaries as large as one matrix: its reconstruction M_hat =
+P Q^T and, for half-precision gradients, M = G + error in the working dtype (edgc.comm.step,
+"Memory"). A `Workspace` keeps one flat buffer per name, dtype and device, grown to the
+largest request seen and handed out as views, so that a step allocates each at most once
+(many short-lived blocks of varying sizes are what makes glibc's malloc keep freed memory
+on the CPU). The step empties it at its end (`clear`): between steps the state holds none of it.
 
 A view is valid until the next `take` of the same name: the caller uses one name per
 temporary that can be alive at the same time as another of its kind.

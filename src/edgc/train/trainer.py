@@ -556,7 +556,7 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
     """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
     "state_mb", the bytes it holds of the parameters, the optimiser state and the
     compression state (error feedback and Q), each as stored here (a sharded model's
-    local shards), with the compression state's spare error buffer and workspace;
+    local shards): its error feedback, Q and the window's sums;
     "compression_mb", the compression state's part (EDGCStats.state_bytes); "peak_mb",
     the peak CUDA memory allocated, or on the CPU the process's peak resident set."""
     def local(t: Any) -> int:
