@@ -102,6 +102,13 @@ def test_report_compares_runs(tmp_path, data_dir):
     assert main(["report", str(tmp_path / "none"), str(tmp_path / "edgc"), "--out", str(tmp_path / "rep")]) == 0
     text = (tmp_path / "rep" / "report.md").read_text()
     assert "| none | none |" in text and "| edgc | edgc |" in text
+    # rank 0's memory record: the EDGC state (0 without it), in report.md and each summary.md
+    memory = {m: next(json.loads(line) for line in (tmp_path / m / "metrics.jsonl").read_text().splitlines()
+                      if json.loads(line).get("kind") == "memory") for m in ("none", "edgc")}
+    assert memory["none"]["compression_mb"] == 0 < memory["edgc"]["compression_mb"]
+    for m in ("none", "edgc"):
+        row = f"| {m} | {memory[m]['compression_mb']:.2f} | {memory[m]['state_mb']:.1f} |"
+        assert row in text and row in (tmp_path / m / "summary.md").read_text()
     for name in ("loss.png", "entropy.png", "rank.png", "bytes.png"):
         assert (tmp_path / "rep" / name).is_file()
     assert main(["report", str(tmp_path / "missing")]) == 2

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from edgc.train.plots import plot_runs
-from edgc.train.summary import RunSummary, load_run, summarize, table
+from edgc.train.summary import RunSummary, load_run, memory_table, summarize, table
 
 __all__ = ["report"]
 
@@ -33,6 +33,7 @@ def report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[RunSumma
         "The validation loss comes with its standard error over the evaluation blocks; \"within SE\" marks a "
         "difference from the first run no larger than the two runs' combined standard error "
         "(sqrt(SE1^2 + SE2^2)), i.e. not shown to be real.\n\n"
-        "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
+        + memory_table(loaded)
+        + "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
     )
     return summaries

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 # (rich and matplotlib, through edgc.train.plots, are imported where a table is drawn or
 # a plot made: a training worker imports this module and needs neither to start)
 
-__all__ = ["RunSummary", "compare_loss", "load_run", "show_table", "stage_table", "summarize", "table", "table_cells",
-           "write_summary"]
+__all__ = ["RunSummary", "compare_loss", "load_run", "memory_table", "show_table", "stage_table", "summarize", "table",
+           "table_cells", "write_summary"]
 
 
 @dataclass
@@ -241,6 +241,23 @@ def _validation_line(config: dict[str, Any], records: list[dict[str, Any]]) -> s
             f"evaluation" + (f"; {sum(timed) / len(timed):.1f} s per evaluation" if timed else "") + ".\n\n")
 
 
+def memory_table(loaded: list[tuple[str, dict, list[dict]]]) -> str:
+    """Each run's "memory" record (rank 0's, at the end of the run) as a markdown table:
+    the EDGC state it held (error feedback, Q and the window's sums), all it held of
+    parameters, optimiser and EDGC state, and its peak; "" when no run has one."""
+    rows = []
+    for name, _, records in loaded:
+        memory = next((r for r in reversed(records) if r.get("kind") == "memory"), None)
+        if memory is not None:
+            rows.append(f"| {name} | {memory.get('compression_mb', 0.0):.2f} | "
+                        f"{memory.get('state_mb', math.nan):.1f} | {memory.get('peak_mb', math.nan):.0f} |")
+    if not rows:
+        return ""
+    return ("Memory of rank 0 at the end of the run (MB; the peak is CUDA memory allocated, or on the CPU the "
+            "process's resident set):\n\n| run | EDGC state | parameters, optimiser and EDGC state | peak |\n"
+            "|---|---|---|---|\n" + "\n".join(rows) + "\n\n")
+
+
 def write_summary(run_dir: str | Path) -> Path:
     """Write summary.md and the plots of one run folder; returns summary.md's path."""
     run_dir = Path(run_dir)
@@ -263,6 +280,7 @@ def write_summary(run_dir: str | Path) -> Path:
         + _validation_line(config, records)
         + stage_table([(run_dir.name, config, records)])
         + bytes_line
+        + memory_table([(run_dir.name, config, records)])
         + "![loss](loss.png)\n![entropy](entropy.png)\n![rank](rank.png)\n![bytes](bytes.png)\n"
         + ("![stages](stages.png)\n" if (run_dir / "stages.png").is_file() else "")
     )
