@@ -19,6 +19,7 @@ by edgc 0.1 (flat, with the warm-up in three fields) is read by `upgrade_config_
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -245,6 +246,14 @@ class EDGCConfig:
         if self.warmup_max_error is None:  # (edgc 0.1's spelling of a fixed warm-up)
             bad("warmup_max_error", 'must be a number in (0, 1]; for a fixed warm-up set warmup="fixed"')
         check_field_types(self, bad)
+        self._check_ranks(bad)
+        self._check_sections(bad)
+        self._check_counts(bad)
+        self._check_warmup(bad)
+        self._check_numbers(bad)
+
+    def _check_ranks(self, bad: Callable[[str, str], None]) -> None:
+        """The policy's name and the rank bounds."""
         if self.policy not in policy_names():
             bad("policy", REMOVED.get(self.policy, f"must be one of {policy_names()}"))
         if self.max_rank is not None and not 1 <= self.max_rank <= MAX_RANK:
@@ -255,6 +264,9 @@ class EDGCConfig:
             bad("min_rank", f"must not exceed max_rank={self.max_rank}")
         if self.policy in ("static", "schedule") and self.max_rank is None:
             bad("max_rank", f'the "{self.policy}" policy needs a fixed rank')
+
+    def _check_sections(self, bad: Callable[[str, str], None]) -> None:
+        """Each policy's section, and what it must agree on with the rank bounds."""
         for name in SECTIONS:
             getattr(self, name).check(lambda sub, why, _n=name: bad(f"{_n}.{sub}", why))
         if self.policy == "schedule" and not self.schedule.ranks:
@@ -270,6 +282,9 @@ class EDGCConfig:
             if low < floor:
                 why = f"min_rank={floor}" if self.min_rank is not None else f"min_rank (max_rank // 4 = {floor})"
                 bad("critical.low_rank", f"must not be below {why}; lower min_rank too")
+
+    def _check_counts(self, bad: Callable[[str, str], None]) -> None:
+        """Integer settings with a range, and the sampling rates."""
         for name, most in (("rank_step", MAX_RANK), ("rank_multiple", MAX_RANK), ("bins", MAX_BINS),
                            ("calibration_repeats", MAX_CALIBRATION_REPEATS)):
             if not 1 <= getattr(self, name) <= most:
@@ -279,6 +294,9 @@ class EDGCConfig:
         for name in ("iteration_sample_rate", "gradient_sample_rate"):
             if not MIN_SAMPLE_RATE <= getattr(self, name) <= 1.0:
                 bad(name, f"must be in [{MIN_SAMPLE_RATE:g}, 1]")
+
+    def _check_warmup(self, bad: Callable[[str, str], None]) -> None:
+        """The warm-up's settings, each read by its own kind of warm-up only."""
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be a non-negative integer")
         if self.warmup_min_steps < 0:
@@ -296,6 +314,9 @@ class EDGCConfig:
         if self.warmup_error_norm != "relative" and self.warmup != "release-check":
             bad("warmup_error_norm", f'is read by warmup="release-check" only (warmup={self.warmup!r} measures '
                                      'the relative error)')
+
+    def _check_numbers(self, bad: Callable[[str, str], None]) -> None:
+        """The remaining numbers, the wire format's availability and the seed."""
         if self.min_compression_rate < 0:
             bad("min_compression_rate", "must be a non-negative number")
         if not 0 < self.long_rank_factor <= 16:

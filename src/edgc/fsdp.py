@@ -81,6 +81,7 @@ from edgc.comm.compression import Entry
 from edgc.comm.stats import EDGCStats
 from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
+from edgc.fsdp_internals import ModuleParams, module_params, root_mesh
 from edgc.safeload import load_torch
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class _Module:
     """One hooked FSDPModule: its parameter group and its buffer's layout."""
 
     name: str
-    group: Any  # torch's FSDPParamGroup (its all_reduce_grads flag is read at every call)
+    group: ModuleParams  # its parameter group (its all_reduce_grads flag is read at every call)
     entries: list[Entry]  # ((module index, parameter index), padded shard shape), in buffer order
     numel: int  # the buffer's size
     accumulated: torch.Tensor | None = None  # local sum of micro-batches not synced yet
@@ -235,24 +236,13 @@ def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str 
     across `mesh[replicate_dim]` handled (the hook runs after it)."""
     from torch.distributed.fsdp import FSDPModule
 
-    hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and _param_groups(m)]
+    hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and module_params(m)]
     if not hooked:
         raise ValueError("count_native_hsdp found no FSDPModule with parameters in the model")
     state = NativeHSDPState(mesh[replicate_dim].get_group(), len(hooked))
     for m in hooked:
         m.set_all_reduce_hook(state.count)
     return state
-
-
-def _param_groups(module: Any) -> list[Any]:
-    """An FSDPModule's parameter groups: a list in recent torch (`_fsdp_param_groups`), one
-    group or None in older releases such as 2.11 (`_fsdp_param_group`)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = state._fsdp_param_group
-    return [] if group is None else [group]
 
 
 def _mesh_groups(mesh: DeviceMesh, replicate: str, shard: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -277,7 +267,8 @@ class _TensorParallel:
     copies: frozenset[Hashable]  # entry keys of tensors held whole on every TP rank, counted on another one
 
 
-def _tensor_parallel(mesh: DeviceMesh, groups: list[Any], replicate_dim: str, shard_dim: str) -> _TensorParallel:
+def _tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim: str, shard_dim: str
+                     ) -> _TensorParallel:
     """Read the TP layout off the parameters FSDP holds: a parameter that
     `parallelize_module` split is a DTensor on a (shard, tp) mesh. A tensor TP leaves whole
     (outside the plan, or Replicate on the TP dimension) is a copy on every TP rank; it is
@@ -286,13 +277,13 @@ def _tensor_parallel(mesh: DeviceMesh, groups: list[Any], replicate_dim: str, sh
     `mesh`."""
     dims: list[str] = []
     for group in groups:
-        for fp in group.fsdp_params:
-            for name in fp.sharded_param.device_mesh.mesh_dim_names or ():
+        for param in group.params:
+            for name in param.tensor.device_mesh.mesh_dim_names or ():
                 if name != shard_dim and name not in dims:
                     dims.append(name)
     if not dims:
         return _TensorParallel((), 1, frozenset())
-    root = _root_mesh(mesh)
+    root = root_mesh(mesh)
     root_names = tuple(root.mesh_dim_names or ())
     missing = [d for d in dims if d not in root_names]
     if missing or replicate_dim in dims:
@@ -302,10 +293,9 @@ def _tensor_parallel(mesh: DeviceMesh, groups: list[Any], replicate_dim: str, sh
     coordinate = {d: root[d].get_local_rank() for d in dims}
     copies = set()
     for index, group in enumerate(groups):
-        for k, fp in enumerate(group.fsdp_params):
-            param_mesh = fp.sharded_param.device_mesh
-            names = tuple(param_mesh.mesh_dim_names or ())
-            split = {n for n, placement in zip(names, fp.sharded_param.placements, strict=True)
+        for k, param in enumerate(group.params):
+            names = tuple(param.tensor.device_mesh.mesh_dim_names or ())
+            split = {n for n, placement in zip(names, param.tensor.placements, strict=True)
                      if n != shard_dim and not placement.is_replicate()}
             if any(coordinate[d] != 0 for d in dims if d not in split):
                 copies.add((index, k))
@@ -317,7 +307,7 @@ def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...]) -> dist.ProcessG
     coordinates on the root mesh's other dimensions (a pipeline stage's "pp"), over the
     `stage_dims`. Every process creates every such group, in the same order
     (torch.distributed.new_subgroups_by_enumeration), as new_group requires."""
-    root = _root_mesh(mesh)
+    root = root_mesh(mesh)
     names = tuple(root.mesh_dim_names or ())
     if not set(stage_dims) <= set(names):  # (a mesh of its own, not sliced: it is the stage)
         names, root = tuple(mesh.mesh_dim_names or ()), mesh
@@ -343,7 +333,7 @@ def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: _
     (MAX of the shapes' checksum and of its negation: 16 bytes), none in the steps."""
     shapes = [shape for m in modules for _, shape in m.entries]
     checksum = zlib.crc32(repr(shapes).encode())
-    device = modules[0].group.fsdp_params[0].sharded_param.device
+    device = modules[0].group.params[0].tensor.device
     both = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=control)
     if int(both[0]) != checksum or int(both[1]) != -checksum:
@@ -352,11 +342,44 @@ def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: _
                          f"divisible by {tp.size}")
 
 
-def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh `mesh` was sliced from (itself when it was not); torch keeps it privately
-    (DeviceMesh._get_root_mesh, checked with torch 2.11 to 2.13)."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    return get_root() if get_root is not None else mesh
+def _fsdp_modules(model: nn.Module, shard_ranks: list[int], shard_dim: str) -> tuple[list[Any], list[_Module]]:
+    """The FSDPModules of `model` that own parameters, and each one's layout (`_Module`);
+    raises ValueError for a module register_edgc cannot serve: several parameter groups,
+    native HSDP on the 2-D mesh, another shard mesh, a parameter sharded on a dim other than 0."""
+    from torch.distributed.fsdp import FSDPModule  # (torch >= 2.6)
+
+    fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        raise ValueError("register_edgc found no FSDPModule in the model: shard it with "
+                         f"fully_shard(module, mesh=mesh[{shard_dim!r}]) first")
+    hooked: list[Any] = []  # the FSDPModules of `modules`, in its order
+    modules: list[_Module] = []
+    for name, m in fsdp_modules:
+        groups = module_params(m)
+        label = name or "<root>"
+        if len(groups) > 1:
+            raise ValueError(f"FSDPModule {label!r} has {len(groups)} parameter groups (a per-parameter mesh); "
+                             "register_edgc needs one group per module")
+        if not groups:
+            continue  # (no parameters of its own: FSDP calls no hook for it)
+        group = groups[0]
+        if group.native_hsdp:
+            raise ValueError(f"FSDPModule {label!r} is sharded on the 2-D mesh (native HSDP), whose own all-reduce "
+                             "would run as well and double the traffic; shard it with "
+                             f"fully_shard(module, mesh=mesh[{shard_dim!r}])")
+        sharded_over = _ranks(group.shard_group)
+        if sharded_over != shard_ranks:
+            raise ValueError(f"FSDPModule {label!r} is sharded over ranks {sharded_over}, "
+                             f"not over mesh[{shard_dim!r}] ({shard_ranks})")
+        index = len(modules)
+        for param in group.params:
+            if param.dim != 0:
+                raise ValueError(f"parameter {param.name!r} is sharded on dim {param.dim}; "
+                                 "register_edgc needs dim-0 shards (the default)")
+        entries: list[Entry] = [((index, k), param.padded_shape) for k, param in enumerate(group.params)]
+        modules.append(_Module(label, group, entries, sum(math.prod(shape) for _, shape in entries)))
+        hooked.append(m)
+    return hooked, modules
 
 
 def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None = None, *,
@@ -370,57 +393,17 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     the mesh is not the whole world). Raises ValueError on a layout it cannot serve (see
     the module doc).
     """
-    from torch.distributed.fsdp import FSDPModule  # (torch >= 2.6)
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
-
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("register_edgc needs torch.distributed initialised (init_process_group or torchrun)")
     replicate_mesh, shard_mesh = _mesh_groups(mesh, replicate_dim, shard_dim)
-    shard_ranks = _ranks(shard_mesh.get_group())
-    modules: list[_Module] = []
-    dtypes: list[torch.dtype] = []
-    hooked: list[Any] = []  # the FSDPModules of `modules`, in its order
-    fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not fsdp_modules:
-        raise ValueError("register_edgc found no FSDPModule in the model: shard it with "
-                         f"fully_shard(module, mesh=mesh[{shard_dim!r}]) first")
-    for name, m in fsdp_modules:
-        groups = _param_groups(m)
-        label = name or "<root>"
-        if len(groups) > 1:
-            raise ValueError(f"FSDPModule {label!r} has {len(groups)} parameter groups (a per-parameter mesh); "
-                             "register_edgc needs one group per module")
-        if not groups:
-            continue  # (no parameters of its own: FSDP calls no hook for it)
-        group = groups[0]
-        if isinstance(group.mesh_info, DDPMeshInfo):
-            raise ValueError(f"FSDPModule {label!r} is sharded on the 2-D mesh (native HSDP), whose own all-reduce "
-                             "would run as well and double the traffic; shard it with "
-                             f"fully_shard(module, mesh=mesh[{shard_dim!r}])")
-        sharded_over = _ranks(group.mesh_info.mesh.get_group())
-        if sharded_over != shard_ranks:
-            raise ValueError(f"FSDPModule {label!r} is sharded over ranks {sharded_over}, "
-                             f"not over mesh[{shard_dim!r}] ({shard_ranks})")
-        entries: list[Entry] = []
-        index = len(modules)
-        for k, fp in enumerate(group.fsdp_params):
-            if fp.fsdp_placement.dim != 0:
-                raise ValueError(f"parameter {fp._param_fqn!r} is sharded on dim {fp.fsdp_placement.dim}; "
-                                 "register_edgc needs dim-0 shards (the default)")
-            key: Hashable = (index, k)
-            entries.append((key, tuple(int(x) for x in fp.padded_sharded_param_size)))
-        numel = sum(int(torch.Size(shape).numel()) for _, shape in entries)
-        mp = m._get_fsdp_state()._mp_policy
-        dtypes.append(mp.reduce_dtype or group.fsdp_params[0].sharded_param.dtype)
-        modules.append(_Module(label, group, entries, numel))
-        hooked.append(m)
+    hooked, modules = _fsdp_modules(model, _ranks(shard_mesh.get_group()), shard_dim)
     tp = _tensor_parallel(mesh, [m.group for m in modules], replicate_dim, shard_dim)
     control = _stage_group(mesh, (replicate_dim, shard_dim, *tp.dims))
     if tp.size > 1:
         _check_same_shards(modules, control, tp)
     # (the core checks the config: its type, its values, and that max_rank is set)
     sync = GradientSync(replicate_mesh.get_group(), config, control_group=control, eager=True)
-    sync.declare([m.entries for m in modules], dtypes, uncounted=tp.copies)
+    sync.declare([m.entries for m in modules], [m.group.reduce_dtype for m in modules], uncounted=tp.copies)
     state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size(), tp.size))
     for index, m in enumerate(hooked):
         m.set_all_reduce_hook(functools.partial(state._hook, index))
