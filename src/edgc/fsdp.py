@@ -78,6 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from edgc.checkpoint import resized_state
 from edgc.comm.baselines import NativeHSDPState
 from edgc.comm.compression import Entry
+from edgc.comm.facade import SyncState
 from edgc.comm.stats import EDGCStats
 from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
@@ -102,10 +103,11 @@ class _Module:
     accumulated: torch.Tensor | None = None  # local sum of micro-batches not synced yet
 
 
-class EDGCFSDPState:
+class EDGCFSDPState(SyncState):
     """The EDGC state of one FSDP2 model: the compression core and one hook per
-    FSDPModule (built by register_edgc). `stats()`, `state_dict()`, `load_state_dict()`,
-    `set_grad_scale()` and `set_learning_rate()` behave as EDGCState's."""
+    FSDPModule (built by register_edgc). What a user reads and sets (stats, enabled,
+    set_grad_scale, set_learning_rate, ...) is SyncState's, as on EDGCState; state_dict
+    and load_state_dict hold this process's shards under its global rank."""
 
     def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int, int]):
         self._modules = modules
@@ -113,31 +115,11 @@ class EDGCFSDPState:
         self.layout = layout  # (replicate, shard, tp) sizes
         self._calls = 0  # modules synced so far in this step
 
-    @property
-    def config(self) -> EDGCConfig:
-        return self.sync.config
-
-    @property
-    def enabled(self) -> bool:
-        """As EDGCState.enabled: False, and each buffer is all-reduced whole over the
-        replicate group in its own dtype, as native HSDP does."""
-        return self.sync.enabled
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self.sync.enabled = bool(on)
-
     def stats(self) -> EDGCStats:
         """This process's counters; bytes are those handed to collectives across the
         replicate group (the inter-node wire), and bytes_uncompressed what native HSDP's
         all-reduce of the same shards would have sent."""
         return self.sync.stats()
-
-    def set_grad_scale(self, scale: float) -> None:
-        self.sync.set_grad_scale(scale)
-
-    def set_learning_rate(self, lr: float) -> None:
-        self.sync.set_learning_rate(lr)
 
     def _key(self) -> str:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}"

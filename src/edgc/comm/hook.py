@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from edgc.comm.facade import SyncState
 from edgc.comm.stats import EDGCStats
 from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
@@ -28,7 +29,7 @@ from edgc.config import EDGCConfig
 __all__ = ["EDGCState", "EDGCStats", "edgc_hook"]
 
 
-class EDGCState:
+class EDGCState(SyncState):
     """The state of the EDGC hook for one DDP model: the compression core (`sync`) it
     wraps, and what a user calls on it (stats, state_dict, the knobs set_grad_scale and
     set_learning_rate).
@@ -53,23 +54,6 @@ class EDGCState:
     # ------------------------------------------------------------------ what a user reads and sets
 
     @property
-    def config(self) -> EDGCConfig:
-        return self.sync.config
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the hook compresses. Set False (between steps, alike on every replica)
-        and each bucket is averaged by one plain all-reduce in its own dtype, as DDP does
-        without a hook: no compression, no quantization, and nothing of this state
-        changes (step count and stats included). Set True again and compression goes on
-        where it stopped, the error feedback's residual with it."""
-        return self.sync.enabled
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self.sync.enabled = bool(on)
-
-    @property
     def alignment(self) -> Any:
         """A pipeline stage's DAC (edgc.comm.pipeline.StageAlignment), or None."""
         return self.sync.alignment
@@ -88,23 +72,6 @@ class EDGCState:
     def world_size(self) -> int:
         return self.sync.world_size
 
-    @property
-    def step(self) -> int:
-        return self.sync.step
-
-    @property
-    def phase(self) -> str:
-        return self.sync.phase
-
-    @property
-    def rank(self) -> int:
-        """The rank used for compressed steps now (0 while uncompressed)."""
-        return self.sync.rank
-
-    def stats(self) -> EDGCStats:
-        """A snapshot of this replica's counters."""
-        return self.sync.stats()
-
     def state_dict(self) -> dict[str, Any]:
         """This replica's compression state (error feedback, Q, generator, policy; CPU tensors)."""
         return self.sync.state_dict()
@@ -113,14 +80,6 @@ class EDGCState:
         """Resume from state_dict(), before the first step; a mismatched model, world size or
         replica raises ValueError (GradientSync.load_state_dict)."""
         self.sync.load_state_dict(d, strict_replica=strict_replica)
-
-    def set_grad_scale(self, scale: float) -> None:
-        """The loss scale the next gradients carry (GradScaler.get_scale())."""
-        self.sync.set_grad_scale(scale)
-
-    def set_learning_rate(self, lr: float) -> None:
-        """The learning rate of the next step (read by policies that ask for it)."""
-        self.sync.set_learning_rate(lr)
 
     def align(self) -> None:
         """In a pipeline: finish a window-end decision with the DAC exchange (called by the stage)."""
