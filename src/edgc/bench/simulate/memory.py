@@ -10,8 +10,6 @@ Each row is the stage that holds the most.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from edgc.bench.simulate.layout import stage_gradients
@@ -61,7 +59,7 @@ def memory_report(model: GPT, name: str, dtype: str, tp: int, pp: int, dp_shard:
              "parameter | step workspace (GB, transient) | torch powerSGD_hook (GB) |",
              "|---|---|---|---|---|---|---|---|"]
     for state_dtype in STATE_DTYPES:
-        config = dataclasses.replace(EDGCConfig(), state_dtype=state_dtype, max_rank=rank)
+        config = EDGCConfig(state_dtype=state_dtype, max_rank=rank)
         counted = [state_bytes(shapes, grad_dtype, config, rank) for shapes in stages]
         worst = max(range(len(stages)), key=lambda i: counted[i].total)
         held, shapes = counted[worst], stages[worst]
