@@ -62,7 +62,7 @@ def quantized_sum_blocks(rank: int, world: int, wire: str, blocks: int) -> dict:
     assert code is not None
     collectives = Collectives()
     flat = values(rank)
-    collectives.wait([collectives.quantized_sum(flat, code)])
+    collectives.wait([collectives.sum_in(flat, wire)])
     exact = sum(values(r) for r in range(world)).view(blocks, BLOCK)
     worst = float(((flat.view(blocks, BLOCK) - exact).abs().amax(1) / exact.abs().amax(1)).max())
     # each replica's values rounded once, summed in replica order

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.timing import LapSum, start_lap
-from edgc.comm.wire import Codec, codec, gathered_sum, quantized_bytes, quantized_sum
+from edgc.comm.wire import WireFormat, WireSum, wire_format
 
 __all__ = ["Collectives", "Issued"]
 
@@ -50,13 +49,12 @@ _RECENT_WORKS = 16
 @dataclass
 class Issued:
     """An issued collective: its work handle (None: already done); for a CPU tensor
-    reduced on the device, (device copy, CPU tensor) to copy back after the wait; for a
-    sum of several stages (a quantized sum, a sum of a copy), the function to call after
-    the wait, which returns the next stage, issued, or None when the sum is complete."""
+    reduced on the device, (device copy, CPU tensor) to copy back after the wait; for a sum
+    in a wire format, the sum, whose later stages run after the wait (WireSum.advance)."""
 
     work: Any
     back: tuple[torch.Tensor, torch.Tensor] | None = None
-    then: Callable[[], Issued | None] | None = None
+    sum: WireSum | None = None
 
 
 class Collectives:
@@ -199,52 +197,17 @@ class Collectives:
         self.comm.add(lap.stop())
         return Issued(None)
 
-    def quantized_sum(self, flat: torch.Tensor, code: Codec) -> Issued:
-        """Start summing `flat` over the process group in the one-byte format `code`
-        (edgc.comm.wire): its reduce-scatter is issued now, its all-gather at the wait.
-        Counts the quantized bytes as sent."""
-        world = self.world_size
+    def sum_in(self, flat: torch.Tensor, wire: str | WireFormat) -> Issued:
+        """Start summing `flat` over the process group in the wire format `wire`
+        (EDGCConfig.wire; edgc.comm.wire.WireFormat.start_sum): quantized, rounded to bf16,
+        or as it is. The sum is in `flat` after `wait`. Counts the format's bytes as sent."""
+        fmt, world = wire_format(wire), self.world_size
+        self.bytes_sent += fmt.sum_bytes(flat, world)
         if world == 1:
             return Issued(None)
-        self.bytes_sent += quantized_bytes(flat.numel(), world)
-        if world == 2:  # one all-gather, whose wait ends the sum
-            work, unpack = gathered_sum(flat, code, self._process_group)
-            self.recent_works.append(work)
-            return Issued(work, then=unpack)
-        work, gather = quantized_sum(flat, code, self._process_group, world)
-        self.recent_works.append(work)
-
-        def all_gather() -> Issued:
-            done, unpack = gather()
-            self.recent_works.append(done)
-            return Issued(done, then=unpack)
-
-        return Issued(work, then=all_gather)
-
-    def all_reduce_as(self, flat: torch.Tensor, dtype: torch.dtype) -> Issued:
-        """Start summing `flat` over the process group as a copy in `dtype` (the "bf16"
-        wire's tensors sent whole); the sum is copied back into `flat` at the wait. Counts
-        the copy's bytes as sent."""
-        send = flat.to(dtype)
-        issued = self.all_reduce(send, async_op=True)
-        if issued.work is None:
-            return issued
-
-        def back() -> None:
-            flat.copy_(send)
-
-        return Issued(issued.work, then=back)
-
-    def sum_in(self, flat: torch.Tensor, wire: str) -> Issued:
-        """Start summing `flat` over the process group in the wire format `wire`
-        (EDGCConfig.wire): quantized, rounded to bf16, or as it is. The sum is in `flat`
-        after `wait`."""
-        code = codec(wire)
-        if code is not None:
-            return self.quantized_sum(flat, code)
-        if wire == "bf16" and flat.dtype != torch.bfloat16:
-            return self.all_reduce_as(flat, torch.bfloat16)
-        return self.all_reduce(flat, async_op=True)
+        started = fmt.start_sum(flat, self._process_group, world)
+        self.recent_works.append(started.work)
+        return Issued(started.work, sum=started)
 
     def wait(self, issued: list[Issued], step_comm: LapSum | None = None) -> None:
         """Wait for async collectives; the time spent waiting counts once as communication
@@ -260,8 +223,7 @@ class Collectives:
                 i.work.wait()
             # the next stage of each sum that has one (a quantized sum's all-gathers), all
             # issued before any is waited for, in the same order on every replica
-            follow = [i.then() if i.then is not None else None for i in stage]
-            stage = [f for f in follow if f is not None]
+            stage = [i for i in stage if i.sum is not None and self._advance(i)]
         lap.stop()
         self.comm.add(lap)
         if step_comm is not None:
@@ -269,6 +231,15 @@ class Collectives:
         for i in pending:
             if i.back is not None:
                 i.back[1].copy_(i.back[0].cpu())  # (a host read: control values only)
+
+    def _advance(self, issued: Issued) -> bool:
+        """Run what follows a waited stage of a sum: True when it issued another (now `issued.work`)."""
+        assert issued.sum is not None
+        if not issued.sum.advance():
+            return False
+        issued.work = issued.sum.work
+        self.recent_works.append(issued.work)
+        return True
 
     def agree_mean(self, values: torch.Tensor) -> None:
         """Average a float64 CPU vector in place over the control group (window ends only)."""

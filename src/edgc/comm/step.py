@@ -24,7 +24,7 @@ everything else is unchanged. A unit's
 arithmetic reads only its own slots, so how the gradient is cut into units changes the
 average only through the float order of the sums.
 
-Two modes (EDGCConfig.sync_mode):
+Three modes (GradientSync.mode: EDGCConfig.sync_mode's two, or "eager" for an adapter):
 - "whole-step": the whole gradient is one unit, started when DDP hands over its last
   bucket. Every bucket waits for the last; a step costs at most four collectives per
   dtype (control, uncompressed, P, Q), and none of them overlaps the backward pass.
@@ -34,6 +34,13 @@ Two modes (EDGCConfig.sync_mode):
   completes the units whose Q was issued in earlier calls (bucket i-2's); the last call
   drains the rest. While the autograd engine computes bucket i+1, buckets i and i-1 are
   on the wire.
+- "eager" (edgc.fsdp): each buffer is a unit, started and completed in its own call,
+  because FSDP2 needs it averaged before the call returns.
+Every bucket reaches a step the same way (`StepSync.add`). A step that cannot start its
+units as the buckets arrive parks them and starts at the last: the whole-step mode's
+steps, a job's first step (its slots are assigned from its buckets), and the steps whose
+plan reads the whole local gradient (r_max calibration, the warm-up error check, flushing
+the error feedback into an uncompressed window).
 
 Why a fixed lag, and not "whatever has arrived". Every collective is issued from the
 thread that calls the hook, and every replica must issue the same collectives in the same
@@ -110,7 +117,7 @@ hook's arithmetic runs on the current stream, with no side stream and so no even
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +126,7 @@ import torch
 from edgc.comm.collectives import Collectives, Issued
 from edgc.comm.compression import CompressionState, Entry
 from edgc.comm.control import ENTROPY, add_error_sums, control_values
+from edgc.comm.plan import MODES, StepInfo, StepResult
 from edgc.comm.timing import Lap, LapSum, start_lap
 from edgc.comm.units import (
     PartPlan,
@@ -130,57 +138,11 @@ from edgc.comm.units import (
     slot_wire_bytes,
     working_dtype,
 )
-from edgc.comm.wire import alignment
+from edgc.comm.wire import WireFormat, wire_format
 from edgc.compress import compressible, orthogonalize_
 from edgc.entropy import sample_into
 
-__all__ = ["StepInfo", "StepResult", "StepSync"]
-
-
-@dataclass
-class StepInfo:
-    """The plan of a step: what the synchroniser decided at its start (GradientSync._begin_step)."""
-
-    step: int
-    compressed: bool  # low-rank round (else every unit is all-reduced whole)
-    want_entropy: bool  # a sampled step: measure and agree the entropy
-    want_errors: bool  # the warm-up error check
-    flush: bool  # add the error feedback to this gradient first
-    scale: float  # the loss scale the gradients carry
-    want_noise: bool = False  # a sampled step: agree |G_small|² for the noise scale (GRAD_SQ)
-    want_lr_drop: bool = False  # a window end: agree whether the learning rate dropped
-    watch_average: bool = False  # the average is read (window norm), so its finiteness is tracked
-    lr_dropped: bool = False  # this replica saw the learning rate drop in the window (with want_lr_drop)
-    error_ranks: tuple[int, int] = (0, 0)  # (r_min, r_max), the ranks the warm-up check measures at
-    time_plain: bool = False  # time the uncompressed all-reduce (r_max calibration)
-
-    @property
-    def want_sample(self) -> bool:
-        """Whether the step samples the local gradient (GDS) as it arrives."""
-        return self.want_entropy or self.want_noise
-
-    @property
-    def want_control(self) -> bool:
-        """Whether the step issues the control all-reduce."""
-        return self.want_sample or self.want_errors or self.want_lr_drop
-
-
-@dataclass
-class StepResult:
-    """What a step hands back to the synchroniser (StepSync.finish)."""
-
-    info: StepInfo
-    control: torch.Tensor | None  # the replica-averaged control vector (None: not issued)
-    grads: list[torch.Tensor]  # the averaged gradient in slot order (views of the buckets)
-    finite: bool  # a compressed step's sums were finite (its EF and Q were committed); True otherwise
-    sums_finite: torch.Tensor  # device flag: every sum tracked was finite
-    step_comm: LapSum  # this step's time waiting for collectives (the DAC's T(r))
-    plain: Lap | None  # the uncompressed all-reduce's time (info.time_plain)
-    average: torch.Tensor | None  # eager: the averaged gradient's sample, taken as each buffer was averaged
-    layout: list[tuple[int, ...]] | None  # DDP's buckets as slots, when there were several
-    bytes_uncompressed: int  # what a plain all-reduce of the step would have sent
-    entropy_seconds: float  # measuring the control values
-
+__all__ = ["MODES", "StepInfo", "StepResult", "StepSync"]
 
 @dataclass
 class _Part:
@@ -211,23 +173,30 @@ class _Round:
 
 
 class StepSync:
-    """One step: takes the buckets (`add` one by one, or `add_all` at once), issues the
-    step's collectives in the fixed order the module doc describes, and completes each
-    bucket's future with its averaged buffer. `finish`, at the last bucket, returns the
-    StepResult."""
+    """One step: takes the buckets one by one (`add`), issues the step's collectives in the
+    fixed order the module doc describes, and completes each bucket's future with its
+    averaged buffer. `finish`, at the last bucket, returns the StepResult.
 
-    def __init__(self, info: StepInfo, compression: CompressionState, collectives: Collectives, config: Any,
-                 *, eager: bool) -> None:
-        """`info`: the plan; `config`: the EDGCConfig (read only); `eager`: every buffer is
-        one unit, averaged in its own call."""
-        self.info = info
+    A step whose plan is known at its first bucket starts its units as the buckets arrive.
+    One that needs every bucket first (the whole-step mode; a job's first step, whose slots
+    are assigned from its buckets; r_max calibration and the warm-up check, which read the
+    whole local gradient) parks each bucket as it comes and starts at the last, where it
+    asks for its plan."""
+
+    def __init__(self, mode: str, compression: CompressionState, collectives: Collectives, config: Any,
+                 plan: StepInfo | Callable[[], StepInfo]) -> None:
+        """`mode`: "pipelined", "whole-step" or "eager" (every buffer is one unit, averaged
+        in its own call; GradientSync.mode); `config`: the EDGCConfig (read only); `plan`:
+        the step's plan, or the function that decides it once every bucket has arrived (the
+        step parks its buckets until then)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown sync mode {mode!r}; choose from {MODES}")
+        self.mode = mode
         self.compression = compression
         self.collectives = collectives
         self.config = config
-        self.eager = eager
-        self.whole = config.sync_mode == "whole-step" and not eager
-        self.wire = config.wire
-        self.align = alignment(config.wire)  # (a quantized block never spans two tensors)
+        self.wire = wire_format(config.wire)
+        self.align = self.wire.alignment  # (a quantized block never spans two tensors)
         self.device = collectives.device
         self.call = 0
         self.buckets: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] = []
@@ -242,21 +211,36 @@ class StepSync:
         self.plain_lap: Lap | None = None
         self.bytes_uncompressed = 0
         self.entropy_seconds = 0.0
-        self.groups = groups = list(compression.groups.values()) if info.compressed else []
-        plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
-        self.units: list[tuple[int, ...]] = [] if (self.whole or not plan) else list(plan)
-        if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
-            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, config.wire)
-            self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
-        self.bucket_units = not self.whole and not plan  # the buckets are the units
+        self.next_q: dict[int, torch.Tensor] = {}  # group column -> its new Q
+        self.ending: list[_Round] = []  # compressed rounds whose average waits for the step's end
+        self.ok = torch.ones((), dtype=torch.bool, device=self.device)  # every sum so far finite
+        self.local_finite = torch.ones((), dtype=torch.bool, device=self.device)  # this replica's gradient
         # eager: the warm-up check's sums over the local gradient, buffer by buffer
         # (edgc.compress.lowrank_error_sums), and the averaged gradient's sample, taken as
         # each buffer is averaged (the framework may change a buffer once handed back)
         self.error_sums = [0.0, 0.0, 0.0]  # (tails at r_min and r_max, total: lowrank_error_sums)
         self.average: torch.Tensor | None = None
-        self.ok = torch.ones((), dtype=torch.bool, device=self.device)  # every sum so far finite
-        self.local_finite = torch.ones((), dtype=torch.bool, device=self.device)  # this replica's gradient
         self.sample: torch.Tensor | None = None
+        self.decide: Callable[[], StepInfo] | None = None  # set while the step parks its buckets
+        if isinstance(plan, StepInfo):
+            self._plan(plan)
+        elif mode == "eager":
+            raise ValueError("an eager step averages each buffer in its own call: it needs its plan at the start")
+        else:
+            self.decide = plan
+
+    def _plan(self, info: StepInfo) -> None:
+        """Set up what the step's plan decides: its groups, units and samples."""
+        compression, config, eager = self.compression, self.config, self.mode == "eager"
+        self.info = info
+        self.groups = groups = list(compression.groups.values()) if info.compressed else []
+        plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
+        whole = self.mode == "whole-step"
+        self.units: list[tuple[int, ...]] = [] if (whole or not plan) else list(plan)
+        if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
+            sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, self.wire)
+            self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
+        self.bucket_units = not whole and not plan  # the buckets are the units
         if info.want_sample or (eager and info.watch_average):
             offsets, dtype = compression.sample_layout(config.gradient_sample_rate)
             self.sample_at = offsets
@@ -264,38 +248,41 @@ class StepSync:
                 self.sample = torch.empty(offsets[-1], dtype=dtype, device=self.device)
             if eager:
                 self.average = torch.empty(offsets[-1], dtype=dtype, device=self.device)
-        self.next_q: dict[int, torch.Tensor] = {}  # group column -> its new Q
-        self.ending: list[_Round] = []  # compressed rounds whose average waits for the step's end
 
     # ------------------------------------------------------------------ the framework's side
 
     def add(self, buffer: torch.Tensor, entries: Sequence[Entry], future: torch.futures.Future) -> None:
-        """Take the next bucket of a step whose slots are known: start and finish units in
-        the pipelined mode's lag; eager, average it before returning."""
+        """Take the next bucket: park it (a step that waits for its last bucket), or start
+        and finish units in the pipelined mode's lag; eager, average it before returning."""
         self.call += 1
         self.buckets.append((buffer, entries, future))
+        if self.decide is not None:
+            return  # (parked: slots, plan and units at the last bucket, in `finish`)
         slots = self.compression.bucket_views(buffer, entries, self.grads)
         self._arrive(len(self.buckets) - 1, slots, buffer)
-        if self.eager:
+        if self.mode == "eager":
             self._drain()
         else:
             self._advance()
 
-    def add_all(self, buckets: Sequence[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]],
-                grads: list[torch.Tensor], layout: list[tuple[int, ...]]) -> None:
-        """Take every bucket at once (the whole-step mode, and steps that needed the slots
-        assigned first): `grads` in slot order, `layout` each bucket's slots."""
-        self.call = len(buckets)
-        self.buckets = list(buckets)
+    def _unpark(self) -> None:
+        """At the last bucket of a parked step: assign the slots (a job's first step; a
+        loaded state is checked against them), decide the plan, and take every bucket."""
+        assert self.decide is not None
+        grads, layout = self.compression.assign_slots(self.buckets)
+        self._plan(self.decide())
+        self.decide = None
         self.grads = dict(enumerate(grads))
         for b, (slots, (buffer, _, _)) in enumerate(zip(layout, self.buckets, strict=True)):
             self._arrive(b, slots, buffer)
-        if self.whole:
+        if self.mode == "whole-step":
             self.units = [tuple(range(len(grads)))]
 
     def finish(self) -> StepResult:
         """At the last bucket: start what is left, drain every round, agree the control
         values and commit the step; returns what the synchroniser decides from."""
+        if self.decide is not None:
+            self._unpark()
         compression, info = self.compression, self.info
         if len(self.grads) != len(compression.slot_shapes):
             raise RuntimeError(
@@ -345,7 +332,7 @@ class StepSync:
             rate = self.config.gradient_sample_rate
             for s in slots:
                 sample_into(self.sample[self.sample_at[s] : self.sample_at[s + 1]], self.grads[s], rate)
-        if self.eager and info.want_errors:
+        if self.mode == "eager" and info.want_errors:
             self._add_error_sums(slots)
         if self.bucket_units:
             self.units.append(slots)
@@ -486,7 +473,7 @@ class StepSync:
         for flat, slots in r.flats:
             flat.div_(world)
             scatter(flat, [self.grads[s] for s in slots], self.align)
-        if r.parts and not self.eager:
+        if r.parts and self.mode != "eager":
             self.ending.append(r)
         else:
             self._end(r, self.ok)
@@ -531,7 +518,7 @@ class StepSync:
             return None
         lap = start_lap(self.device)
         control = control_values(self.info, self.config, local_finite=bool(self.local_finite), sample=self.sample,
-                                 error_sums=self.error_sums if self.eager else None, grads=grads,
+                                 error_sums=self.error_sums if self.mode == "eager" else None, grads=grads,
                                  slot_shapes=self.compression.slot_shapes)
         self.entropy_seconds += float(lap.stop())
         # collective: all-reduce SUM of CONTROL_LEN = 7 float64 values (56 bytes), issued at the
@@ -580,7 +567,7 @@ def _put(into: torch.Tensor, index: slice | torch.Tensor, values: torch.Tensor) 
         into.index_copy_(0, index, values.to(into.dtype))
 
 
-def _factor_buffers(parts: list[_Part], side: int, device: torch.device | None, wire: str
+def _factor_buffers(parts: list[_Part], side: int, device: torch.device | None, wire: WireFormat
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The buffers of P (`side` 0: m rows a matrix) or Q (1: n rows) of every part
     (edgc.comm.units.factor_buffers)."""

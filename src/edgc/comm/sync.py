@@ -31,16 +31,18 @@ bucket i+1's P in different orders; gloo then deadlocks or aborts (it failed 4 o
 of a 29M-parameter GPT on this project's machine). Here every collective is issued from
 the thread that hands a buffer over, in an order that depends only on which buffer is
 being handed over, on the step counter and on values that were themselves all-reduced
-(edgc.comm.step). Three modes:
+(edgc.comm.step). Three modes (`GradientSync.mode`, one value):
 - "pipelined" (EDGCConfig.sync_mode, the default): bucket i's P all-reduce starts when
   DDP hands it over, and bucket i-1 is finished meanwhile (a fixed lag of one bucket), so
   the sync overlaps the backward pass.
 - "whole-step": the hook records each bucket and returns an unfinished future; at the
   last bucket it synchronises the whole gradient at once (at most four collectives per
   gradient dtype: control, uncompressed, P, Q), then completes every future.
-- eager (adapters whose framework needs each buffer averaged before the call returns,
+- "eager" (adapters whose framework needs each buffer averaged before the call returns,
   as FSDP2's all-reduce hook does): every buffer is one unit, started and completed in
   its own call. The slots are declared before the first step (`declare`).
+Every buffer goes to the step under way (edgc.comm.step.StepSync), which parks what it
+cannot start yet.
 All give the same average, up to the float order of the sums.
 
 Precision. Gradients are grouped by dtype as well as shape. For bf16 and fp16 gradients
@@ -106,7 +108,9 @@ class GradientSync:
         logger.info("EDGC config: %s", config)
         # hyperparameters
         self.config = config
-        self.eager = eager
+        # how buckets become units: "pipelined" or "whole-step" (config.sync_mode), or
+        # "eager" (each buffer averaged in its own call: edgc.fsdp)
+        self.mode = "eager" if eager else config.sync_mode
         self.alignment = alignment  # a pipeline stage's DAC, or None outside a pipeline
         # the parts, each owning one role
         self.collectives = Collectives(process_group, control_group)
@@ -134,7 +138,6 @@ class GradientSync:
         self._shapes_bound = True  # the policy knows the compressed matrices' shapes
         self.enabled = True  # False: every buffer plain all-reduced, nothing here changes (`_plain`)
         self._step: StepSync | None = None  # the step whose buffers are being handed over
-        self._buffers: list[tuple[torch.Tensor, Sequence[Entry], torch.futures.Future]] | None = None
         # stats
         self.last_entropy = math.nan
         self.noise_scale = math.nan  # the last window's (EDGCStats.noise_scale)
@@ -329,47 +332,36 @@ class GradientSync:
         the step under way, or start one. `future` is completed with `buffer` once it holds
         the average (eager: before this returns); `last` ends the step."""
         step = self._step
-        if not self.enabled and step is None and self._buffers is None:  # (switched off between steps)
+        if not self.enabled and step is None:  # (switched off between steps)
             self._plain(buffer, future)
             return
         lap = start_lap(buffer.device)
         try:
-            if step is None and self._buffers is None:  # the step's first buffer
-                if self.collectives.bound is None:
-                    self.collectives.bind()
-                self.collectives.device = buffer.device
-                if self.eager:
-                    self.compression.restore_declared(buffer.device)
-                if self._pipelined_next():
-                    step = self._step = StepSync(self._begin_step(), self.compression, self.collectives, self.config,
-                                                 eager=self.eager)
-                else:
-                    self._buffers = []
-            if step is not None:
-                step.add(buffer, entries, future)
-            else:
-                assert self._buffers is not None  # (set above for a step that waits for its last buffer)
-                self._buffers.append((buffer, entries, future))
+            if step is None:  # the step's first buffer
+                step = self._step = self._start_step(buffer.device)
+            step.add(buffer, entries, future)
             if last:
-                if step is None:  # every buffer at once: the slots are assigned (and a loaded state checked) first
-                    buffers, self._buffers = self._buffers or [], None
-                    grads, layout = self.compression.assign_slots(buffers)
-                    step = StepSync(self._begin_step(), self.compression, self.collectives, self.config,
-                                    eager=self.eager)
-                    step.buckets = list(buffers)  # (so that a failure below reaches every future)
-                    step.add_all(buffers, grads, layout)
                 self._step = None
                 self._end_step(step.finish())
         except Exception as exc:
-            left, self._step, self._buffers = self._buffers, None, None  # (the next step starts afresh)
+            self._step = None  # (the next step starts afresh)
             if step is not None:
                 step.fail(exc)
-            for _, _, fut in left or []:
-                if not fut.done():
-                    fut.set_exception(exc)
             raise
         finally:
             self._busy.add(lap.stop())
+
+    def _start_step(self, device: torch.device) -> StepSync:
+        """A step's first buffer is on `device`: bind the groups (first step) and start the
+        step, with its plan now if its units can start as the buffers arrive, else with the
+        plan decided at its last buffer (`_pipelined_next`)."""
+        if self.collectives.bound is None:
+            self.collectives.bind()
+        self.collectives.device = device
+        if self.mode == "eager":
+            self.compression.restore_declared(device)
+        plan = self._begin_step() if self._pipelined_next() else self._begin_step
+        return StepSync(self.mode, self.compression, self.collectives, self.config, plan)
 
     def _plain(self, buffer: torch.Tensor, future: torch.futures.Future) -> None:
         """EDGC switched off (`enabled` False, the same on every replica): average the
@@ -382,7 +374,7 @@ class GradientSync:
             return
         # collective: all-reduce SUM of the buffer as it is (no compression, no quantization)
         work = dist.all_reduce(buffer, group=self.collectives.process_group, async_op=True)
-        if self.eager:
+        if self.mode == "eager":
             work.wait()
             future.set_result(buffer.div_(world))
             return
@@ -403,9 +395,9 @@ class GradientSync:
         assigned, a loaded state checked against the model), r_max calibration and the
         warm-up error check (warm-up only), and flushing the error feedback into an
         uncompressed window."""
-        if self.eager:
+        if self.mode == "eager":
             return True  # (declared slots; no calibration; the warm-up check is measured per buffer)
-        if self.config.sync_mode != "pipelined":
+        if self.mode == "whole-step":
             return False
         if not self.compression.declared or self.compression.expected_shapes is not None:
             return False

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from edgc.comm.wire import column_length, is_quantized, wire_bytes
+from edgc.comm.wire import WireFormat, wire_format
 
 __all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "factor_buffers", "flatten_by_dtype", "scatter",
            "slot_wire_bytes", "unit_plan", "working_dtype"]
@@ -79,18 +79,18 @@ def scatter(flat: torch.Tensor, outs: list[torch.Tensor], align: int = 1) -> Non
 
 
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
-                    groups: Sequence[Group], wire: str = "native") -> list[int]:
+                    groups: Sequence[Group], wire: str | WireFormat = "native") -> list[int]:
     """The bytes each slot puts on the wire in one step: (m + n) * r elements (its share
     of P and Q, each column padded to a block in a quantized format: `column_length`)
     for a matrix of `groups`, r being its group's q.shape[-1], in wire format `wire`
     (edgc.comm.wire.wire_bytes), and numel elements in that format for any other slot
     (sent whole). `groups` empty: a step sent uncompressed."""
-    sizes = [wire_bytes(math.prod(shape), dtype.itemsize, wire) for shape, dtype in zip(slot_shapes, slot_dtypes,
-                                                                                          strict=True)]
+    fmt = wire_format(wire)
+    sizes = [fmt.bytes(math.prod(shape), dtype.itemsize) for shape, dtype in zip(slot_shapes, slot_dtypes, strict=True)]
     for g in groups:
         for s in g.slots:
-            rows = sum(column_length(k, wire) for k in g.shape)
-            sizes[s] = wire_bytes(rows * g.q.shape[-1], g.dtype.itemsize, wire)
+            rows = sum(fmt.column_length(k) for k in g.shape)
+            sizes[s] = fmt.bytes(rows * g.q.shape[-1], g.dtype.itemsize)
     return sizes
 
 
@@ -156,7 +156,7 @@ def unit_plan(slots: Sequence[int], groups: list[Group] | None, device: torch.de
 
 
 def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int]], device: torch.device | None,
-                   wire: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+                   wire: str | WireFormat) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Flat buffers to send (one per dtype, in dtype order) for one factor of the
     matrices of several groups, `shapes[i]` = (matrices, rows, rank) of group i's share,
     in wire format `wire`; returns (flats, working views, views to send), one view per group.
@@ -170,12 +170,13 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
     lies in one column: a factor's columns differ in size by as much as the singular
     values they follow, and a block across them would round the small ones away.
     """
-    quantized = is_quantized(wire)
-    kinds = [_send_dtype(g.dtype, wire) for g in groups]
+    fmt = wire_format(wire)
+    quantized = fmt.quantized
+    kinds = [fmt.send_dtype(g.dtype) for g in groups]
     flats, sent = [], {}  # sent: group's position -> its view to send
     for dtype in dtype_order(kinds):
         members = [i for i, k in enumerate(kinds) if k == dtype]
-        columns = [column_length(shapes[i][1], wire) for i in members]
+        columns = [fmt.column_length(shapes[i][1]) for i in members]
         sizes = [shapes[i][0] * shapes[i][2] * c for i, c in zip(members, columns, strict=True)]
         padded = any(c != shapes[i][1] for i, c in zip(members, columns, strict=True))
         # (the padding after a column is zeros, never written: it sums to zero)
@@ -189,12 +190,3 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
              else torch.empty(send.shape, dtype=working_dtype(g.dtype), device=device)
              for g, send in zip(groups, sends, strict=True)]
     return flats, works, sends
-
-
-def _send_dtype(dtype: torch.dtype, wire: str) -> torch.dtype:
-    """The dtype of a factor buffer of gradients in `dtype` for wire format `wire`."""
-    if wire == "native":
-        return dtype
-    if wire == "bf16":
-        return torch.bfloat16
-    return working_dtype(dtype)  # (int8, fp8: quantized as it is sent)

@@ -22,7 +22,7 @@ Formats:
 
   With 2 replicas the sum takes one collective instead: each replica's quantized buffer
   goes to the other by an all-gather, and both add the two in replica order
-  (`gathered_sum`). The same bytes (each replica hands over its buffer once), one round
+  (`GatheredSum`). The same bytes (each replica hands over its buffer once), one round
   trip, one rounding.
 
   With more, each element is rounded twice, once as a replica's own value and once as the
@@ -30,6 +30,11 @@ Formats:
   so the sum is bit-identical on all of them. The wire then carries (1 + 2 / BLOCK) bytes an
   element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
   buffer of that many bytes would.
+
+`WireFormat` is a format as an object: its alignment and byte counts, the dtype of its
+factor buffers, and `start_sum`, which issues a sum's first collective and returns it as a
+`WireSum` whose `advance` runs each later stage (a quantized sum's all-gather and unpacking)
+once the collective before it is waited for (edgc.comm.collectives.Collectives.wait).
 
 Everything a step sums over the replicas travels in the format: the factors, and the
 tensors sent whole (biases, norms, any matrix too small to compress, and every tensor of
@@ -55,15 +60,15 @@ finiteness check sees it as it would see a full-precision sum.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "Codec", "alignment", "codec", "column_length", "dequantize", "gathered_sum", "is_quantized",
-           "quantize", "quantized_bytes", "quantized_sum", "wire_bytes"]
+__all__ = ["BLOCK", "FORMATS", "AllReduceSum", "Codec", "GatheredSum", "QuantizedSum", "WireFormat", "WireSum",
+           "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize", "quantized_bytes",
+           "wire_bytes", "wire_format"]
 
 #: Elements per scale of a quantized buffer.
 BLOCK = 32
@@ -94,34 +99,110 @@ def codec(wire: str) -> Codec | None:
     return None
 
 
-def is_quantized(wire: str) -> bool:
+@dataclass(frozen=True)
+class WireFormat:
+    """A wire format (EDGCConfig.wire) and what it decides: where each tensor starts in a
+    buffer (`alignment`, `column_length`), the dtype a factor buffer is built in
+    (`send_dtype`), the bytes a buffer costs (`bytes`, `sum_bytes`) and how its sum over
+    the replicas runs (`start_sum`: one all-reduce, or the stages of a quantized sum)."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in FORMATS:
+            raise ValueError(f"unknown wire format {self.name!r}; choose from {FORMATS}")
+
+    @property
+    def codec(self) -> Codec | None:
+        """The one-byte code of a quantized format; None for the others."""
+        return codec(self.name)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether it sends one byte an element with a scale a block ("int8", "fp8")."""
+        return self.name in ("int8", "fp8")
+
+    @property
+    def alignment(self) -> int:
+        """The multiple of elements each tensor of a buffer starts at
+        (edgc.comm.units.flatten_by_dtype): BLOCK for a quantized format, so that no block
+        holds two tensors; 1 for the others."""
+        return BLOCK if self.quantized else 1
+
+    def column_length(self, rows: int) -> int:
+        """The elements a factor column of `rows` elements takes in a buffer: `rows`
+        rounded up to a whole number of blocks for a quantized format (each column starts
+        a block: edgc.comm.units.factor_buffers), `rows` for the others."""
+        return rows + (-rows % self.alignment)
+
+    def send_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a factor buffer for gradients in `dtype`: the gradient's ("native"),
+        bfloat16 ("bf16"), or the working dtype, quantized as it is sent (int8, fp8)."""
+        if self.name == "native":
+            return dtype
+        if self.name == "bf16":
+            return torch.bfloat16
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def bytes(self, numel: int, element_size: int) -> int:
+        """The bytes a buffer of `numel` elements in a gradient dtype of `element_size`
+        bytes puts on the wire (as edgc counts bytes: the buffer handed to an all-reduce,
+        or its quantized equivalent)."""
+        if self.quantized:
+            return _row_bytes(numel)
+        if self.name == "bf16":
+            return 2 * numel
+        return element_size * numel
+
+    def sum_bytes(self, flat: torch.Tensor, world: int) -> int:
+        """The bytes `start_sum` of `flat` over `world` replicas hands over (what edgc
+        counts as sent): every chunk's codes and scales for a quantized format (nothing
+        with one replica), else the buffer in the format's dtype."""
+        if self.quantized:
+            return 0 if world == 1 else quantized_bytes(flat.numel(), world)
+        if self.name == "bf16":
+            return 2 * flat.numel()
+        return flat.numel() * flat.element_size()
+
+    def start_sum(self, flat: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> WireSum:
+        """Issue the first collective of the sum of `flat` (1-D, floating) over `group` of
+        `world` >= 2 replicas in this format; the sum is in `flat` once its stages are
+        done (WireSum)."""
+        code = self.codec
+        if code is not None:
+            return GatheredSum(flat, code, group) if world == 2 else QuantizedSum(flat, code, group, world)
+        if self.name == "bf16" and flat.dtype != torch.bfloat16:
+            return AllReduceSum(flat, group, torch.bfloat16)
+        return AllReduceSum(flat, group)
+
+
+#: The formats' names (EDGCConfig.wire).
+FORMATS = ("native", "bf16", "int8", "fp8")
+
+
+def wire_format(wire: str | WireFormat) -> WireFormat:
+    """`wire` as a WireFormat (a name is checked)."""
+    return wire if isinstance(wire, WireFormat) else WireFormat(wire)
+
+
+def is_quantized(wire: str | WireFormat) -> bool:
     """Whether format `wire` sends one byte an element with a scale a block ("int8", "fp8")."""
-    return wire in ("int8", "fp8")
+    return wire_format(wire).quantized
 
 
-def alignment(wire: str) -> int:
-    """The multiple of elements each tensor of a buffer starts at in format `wire`
-    (edgc.comm.units.flatten_by_dtype): BLOCK for a quantized format, so that no block
-    holds two tensors; 1 for the others."""
-    return BLOCK if is_quantized(wire) else 1
+def alignment(wire: str | WireFormat) -> int:
+    """WireFormat.alignment of format `wire`."""
+    return wire_format(wire).alignment
 
 
-def column_length(rows: int, wire: str) -> int:
-    """The elements a factor column of `rows` elements takes in a buffer of format `wire`:
-    `rows` rounded up to a whole number of blocks for a quantized format (each column
-    starts a block: edgc.comm.units.factor_buffers), `rows` for the others."""
-    return rows + (-rows % alignment(wire))
+def column_length(rows: int, wire: str | WireFormat) -> int:
+    """WireFormat.column_length of format `wire`."""
+    return wire_format(wire).column_length(rows)
 
 
-def wire_bytes(numel: int, element_size: int, wire: str) -> int:
-    """The bytes a factor buffer of `numel` elements in a gradient dtype of `element_size`
-    bytes puts on the wire in format `wire` (as edgc counts bytes: the buffer handed to an
-    all-reduce, or its quantized equivalent)."""
-    if is_quantized(wire):
-        return _row_bytes(numel)
-    if wire == "bf16":
-        return 2 * numel
-    return element_size * numel
+def wire_bytes(numel: int, element_size: int, wire: str | WireFormat) -> int:
+    """WireFormat.bytes of format `wire`."""
+    return wire_format(wire).bytes(numel, element_size)
 
 
 def _chunk(numel: int, world: int) -> int:
@@ -268,72 +349,114 @@ def _decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: 
     return out
 
 
-def quantized_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None, world: int
-                  ) -> tuple[object, Callable[[], tuple[object, Callable[[], None]]]]:
-    """Start summing `flat` (1-D, floating) over `group` of `world` replicas in quantized
-    form: issue the reduce-scatter's all-to-all. Returns its work handle and a function to
-    call after its wait, which sums this replica's chunk and issues the all-gather; that
-    returns the all-gather's handle and a function to call after its wait, which writes
-    the sum into `flat`."""
-    n = flat.numel()
-    chunk = _chunk(n, world)  # elements per replica's chunk
-    padded = torch.nn.functional.pad(flat, (0, world * chunk - n))
-    row = _row_bytes(chunk)  # one chunk's bytes (codes and scales)
-    send = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
-    for piece, dest in zip(padded.split(chunk), send.split(row), strict=True):
-        quantize(piece, code, out=dest)
-    recv = torch.empty_like(send)
-    # collective: all-to-all of (1 + 2 / BLOCK) bytes per element: chunk j to replica j
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+class WireSum:
+    """A sum over the replicas in flight, in stages: `work` is the handle of the stage's
+    collective. After waiting for it, `advance()` runs what follows: it issues the next
+    stage's collective and returns True (`work` is then its handle), or writes the sum into
+    the buffer and returns False. Every replica issues the same stages in the same order."""
 
-    sum_dtype = _sum_dtype(flat)
+    work: Any
 
-    def gather() -> tuple[object, Callable[[], None]]:
-        pieces = recv.view(world, row)
-        mine = dequantize(pieces[0], chunk, code, sum_dtype)
-        for j in range(1, world):  # (in replica order: the same float order on every replica)
-            dequantize(pieces[j], chunk, code, sum_dtype, out=mine, add=True)
-        gathered = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
-        # collective: all-gather of every replica's summed chunk, quantized again
-        done = _all_gather(gathered, quantize(mine, code), group)
-
-        def unpack() -> None:  # (each chunk's products in the sum's dtype, rounded once into flat's)
-            for j, piece in enumerate(gathered.view(world, row)):
-                count = min(chunk, n - j * chunk)
-                if count <= 0:
-                    break
-                _decode(piece[:count].view(code.dtype), piece[chunk:].clone().view(torch.bfloat16), sum_dtype,
-                        flat[j * chunk : j * chunk + count], add=False)
-
-        return done, unpack
-
-    return work, gather
+    def advance(self) -> bool:
+        return False
 
 
-def gathered_sum(flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None
-                 ) -> tuple[object, Callable[[], None]]:
-    """Start the quantized sum of `flat` over a `group` of 2 replicas (`quantized_sum` is
-    for more): each one's whole buffer, quantized once, goes to the other by one
-    all-gather. Returns its work handle and a function to call after its wait, which sums
-    the two buffers in replica order into `flat`. The same bytes as a reduce-scatter and
-    an all-gather (each replica hands over its buffer once), with one rounding and one
-    round trip instead of two."""
-    n = flat.numel()
-    row = _row_bytes(n)
-    gathered = torch.empty(2 * row, dtype=torch.uint8, device=flat.device)
-    # collective: all-gather of each replica's buffer, (1 + 2 / BLOCK) bytes per element
-    work = _all_gather(gathered, quantize(flat, code), group)
-    sum_dtype = _sum_dtype(flat)
+class AllReduceSum(WireSum):
+    """One all-reduce SUM, in place, or of a copy in `dtype` (the "bf16" format's tensors
+    sent whole) that is copied back after the wait."""
 
-    def unpack() -> None:
-        first, second = gathered.view(2, row)
+    def __init__(self, flat: torch.Tensor, group: dist.ProcessGroup | None, dtype: torch.dtype | None = None) -> None:
+        self.flat = flat
+        self.send = flat if dtype is None else flat.to(dtype)
+        # collective: all-reduce SUM of the buffer, in its dtype or the format's
+        self.work = dist.all_reduce(self.send, group=group, async_op=True)
+
+    def advance(self) -> bool:
+        if self.send is not self.flat:
+            self.flat.copy_(self.send)
+        return False
+
+
+class GatheredSum(WireSum):
+    """The quantized sum over 2 replicas (`QuantizedSum` is for more): each one's whole
+    buffer, quantized once, goes to the other by one all-gather, and `advance` sums the two
+    buffers in replica order into `flat`. The same bytes as a reduce-scatter and an
+    all-gather (each replica hands over its buffer once), with one rounding and one round
+    trip instead of two."""
+
+    def __init__(self, flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None) -> None:
+        self.flat, self.code = flat, code
+        self.row = _row_bytes(flat.numel())
+        self.gathered = torch.empty(2 * self.row, dtype=torch.uint8, device=flat.device)
+        # collective: all-gather of each replica's buffer, (1 + 2 / BLOCK) bytes per element
+        self.work = _all_gather(self.gathered, quantize(flat, code), group)
+
+    def advance(self) -> bool:
+        flat, n, code = self.flat, self.flat.numel(), self.code
+        sum_dtype = _sum_dtype(flat)
+        first, second = self.gathered.view(2, self.row)
         total = flat if flat.dtype == sum_dtype else torch.empty(n, dtype=sum_dtype, device=flat.device)
         dequantize(first, n, code, sum_dtype, out=total)
         dequantize(second, n, code, sum_dtype, out=total, add=True)  # (replica 0's first on both: bit-identical)
         if total is not flat:
             flat.copy_(total)
+        return False
 
-    return work, unpack
+
+class QuantizedSum(WireSum):
+    """The quantized sum over `world` > 2 replicas, in two stages (the module doc):
+
+        reduce-scatter   (issued at the start) each replica's chunk j, quantized, to replica j
+        all-gather       (issued by `advance`, once the chunks are here) this replica's
+                         chunk summed and quantized again, to every replica
+        unpack           (`advance` after it) every summed chunk dequantized into `flat`
+    """
+
+    def __init__(self, flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None, world: int) -> None:
+        self.flat, self.code, self.group, self.world = flat, code, group, world
+        n = flat.numel()
+        self.chunk = chunk = _chunk(n, world)  # elements per replica's chunk
+        padded = torch.nn.functional.pad(flat, (0, world * chunk - n))
+        self.row = row = _row_bytes(chunk)  # one chunk's bytes (codes and scales)
+        send = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
+        for piece, dest in zip(padded.split(chunk), send.split(row), strict=True):
+            quantize(piece, code, out=dest)
+        self.recv = torch.empty_like(send)
+        self.gathered: torch.Tensor | None = None
+        # collective: all-to-all of (1 + 2 / BLOCK) bytes per element: chunk j to replica j
+        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
+
+    def advance(self) -> bool:
+        if self.gathered is None:
+            self._gather()
+            return True
+        self._unpack()
+        return False
+
+    def _gather(self) -> None:
+        """Sum this replica's chunk from the W pieces received (in replica order: the same
+        float order on every replica) and issue the all-gather of the sums."""
+        code, world, chunk = self.code, self.world, self.chunk
+        sum_dtype = _sum_dtype(self.flat)
+        pieces = self.recv.view(world, self.row)
+        mine = dequantize(pieces[0], chunk, code, sum_dtype)
+        for j in range(1, world):
+            dequantize(pieces[j], chunk, code, sum_dtype, out=mine, add=True)
+        self.gathered = torch.empty(world * self.row, dtype=torch.uint8, device=self.flat.device)
+        # collective: all-gather of every replica's summed chunk, quantized again
+        self.work = _all_gather(self.gathered, quantize(mine, code), self.group)
+
+    def _unpack(self) -> None:
+        """Each summed chunk into `flat`: the products in the sum's dtype, rounded once into flat's."""
+        assert self.gathered is not None
+        flat, chunk, code = self.flat, self.chunk, self.code
+        n, sum_dtype = flat.numel(), _sum_dtype(flat)
+        for j, piece in enumerate(self.gathered.view(self.world, self.row)):
+            count = min(chunk, n - j * chunk)
+            if count <= 0:
+                break
+            _decode(piece[:count].view(code.dtype), piece[chunk:].clone().view(torch.bfloat16), sum_dtype,
+                    flat[j * chunk : j * chunk + count], add=False)
 
 
 def _sum_dtype(flat: torch.Tensor) -> torch.dtype:
