@@ -30,7 +30,7 @@ from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.policy.cqm import CQMConfig
 from edgc.policy.critical import CriticalConfig
 from edgc.policy.noise import NoiseConfig
-from edgc.policy.registry import REMOVED, policy_class, policy_names
+from edgc.policy.registry import REMOVED, policy_class, policy_names, policy_settings_class
 from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
@@ -224,7 +224,15 @@ class EDGCConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """The "schedule" policy's parameters (edgc.policy.schedule)."""
 
+    policy_settings: dict[str, Any] = field(default_factory=dict)
+    """The settings of a policy registered from your own code with a settings dataclass
+    (edgc.policy.registry.register_policy(name, factory, settings=...)): a table of its
+    fields, or an instance; the policy reads them as that dataclass (`settings()`). Empty
+    for the built-in policies, whose settings are the sections above."""
+
     def __post_init__(self) -> None:
+        if dataclasses.is_dataclass(self.policy_settings) and not isinstance(self.policy_settings, type):
+            self.policy_settings = dataclasses.asdict(self.policy_settings)  # (kept as its table)
         for name, cls in SECTIONS.items():  # (a table of a section's options builds the section)
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -248,6 +256,7 @@ class EDGCConfig:
         check_field_types(self, bad)
         self._check_ranks(bad)
         self._check_sections(bad)
+        self._check_policy_settings(bad)
         self._check_counts(bad)
         self._check_warmup(bad)
         self._check_numbers(bad)
@@ -282,6 +291,36 @@ class EDGCConfig:
             if low < floor:
                 why = f"min_rank={floor}" if self.min_rank is not None else f"min_rank (max_rank // 4 = {floor})"
                 bad("critical.low_rank", f"must not be below {why}; lower min_rank too")
+
+    def _check_policy_settings(self, bad: Callable[[str, str], None]) -> None:
+        """A registered policy's own settings (policy_settings): its dataclass's fields,
+        their types and its `check`."""
+        cls = policy_settings_class(self.policy)
+        if cls is None:
+            if self.policy_settings:
+                bad("policy_settings", f"policy {self.policy!r} takes no settings here (a built-in policy's are in "
+                                       "its section; a registered one's need register_policy(..., settings=...))")
+            return
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(self.policy_settings) - known):
+            bad("policy_settings", f"{cls.__name__} has no field(s) {unknown}; known: {sorted(known)}")
+        try:
+            settings = cls(**self.policy_settings)
+        except TypeError as exc:  # (a field without a default left out)
+            bad("policy_settings", f"{cls.__name__}: {exc}")
+
+        def bad_setting(name: str, why: str) -> None:
+            raise ValueError(f"EDGCConfig.policy_settings.{name}={getattr(settings, name)!r}: {why}")
+
+        check_field_types(settings, bad_setting)
+        if callable(getattr(settings, "check", None)):
+            settings.check(bad_setting)
+
+    def settings(self) -> Any:
+        """The policy's own settings as the dataclass registered with it, built from
+        `policy_settings`; None for a policy registered without one."""
+        cls = policy_settings_class(self.policy)
+        return None if cls is None else cls(**self.policy_settings)
 
     def _check_counts(self, bad: Callable[[str, str], None]) -> None:
         """Integer settings with a range, and the sampling rates."""

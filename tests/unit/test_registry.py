@@ -93,3 +93,47 @@ def test_a_factory_must_build_a_rank_policy():
 def test_experimental_policies_are_marked():
     marked = {name for name in registry.policy_names() if getattr(registry.policy_class(name), "experimental", False)}
     assert marked == {"critical"}
+
+
+@pytest.fixture
+def shrink():
+    """The example with settings of docs/developing.md, run as the page writes it."""
+    text = DOC.read_text()
+    section = text[text.index("## Adding a policy"):]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[1]
+    namespace: dict = {}
+    exec(compile(code, str(DOC), "exec"), namespace)
+    yield namespace
+    registry._REGISTRY.pop("shrink", None)
+    registry._SETTINGS.pop("shrink", None)
+
+
+def test_a_registered_policy_with_settings_reads_them_trains_and_saves_them(one_process_group, shrink):
+    config = shrink["config"]
+    assert config.settings() == shrink["ShrinkSettings"](factor=0.75)
+    assert config.to_dict()["policy_settings"] == {"factor": 0.75}
+    assert EDGCConfig.from_dict(config.to_flat()) == config  # (a saved config.json's round trip)
+    assert EDGCConfig(policy="shrink", policy_settings=shrink["ShrinkSettings"](0.25)).settings().factor == 0.25
+    assert EDGCConfig(policy="shrink").settings().factor == 0.5  # (the dataclass's default)
+
+    trained = EDGCConfig(policy="shrink", max_rank=8, min_rank=1, rank_multiple=1, window=2, warmup="fixed",
+                         warmup_steps=1, min_compression_rate=1.0, policy_settings={"factor": 0.75})
+    state = EDGCState(None, trained)
+    assert _train(state, _model(), range(9)) == [0, 8, 6, 6, 4, 4, 3, 3, 2]  # 8 * 0.75 = 6, 4.5 -> 4, 3, 2.25 -> 2
+    assert state.state_dict()["config"]["policy_settings"] == {"factor": 0.75}
+
+
+def test_policy_settings_are_checked(shrink):
+    with pytest.raises(ValueError, match=r"EDGCConfig.policy_settings.factor=1.5: must be in \(0, 1\)"):
+        EDGCConfig(policy="shrink", policy_settings={"factor": 1.5})
+    with pytest.raises(ValueError, match=r"policy_settings.factor='x': must be a finite number"):
+        EDGCConfig(policy="shrink", policy_settings={"factor": "x"})
+    with pytest.raises(ValueError, match=r"ShrinkSettings has no field\(s\) \['rate'\]"):
+        EDGCConfig(policy="shrink", policy_settings={"rate": 0.5})
+    with pytest.raises(ValueError, match="policy 'noise' takes no settings here"):
+        EDGCConfig(policy="noise", policy_settings={"factor": 0.5})
+    with pytest.raises(ValueError, match="'shrink' is taken"):  # (the same factory with other settings)
+        registry.register_policy("shrink", shrink["ShrinkPolicy"], settings=None)
+    with pytest.raises(TypeError, match="settings must be a dataclass"):
+        registry.register_policy("other", shrink["ShrinkPolicy"], settings=dict)
+    assert EDGCConfig().settings() is None  # (the built-in policies' settings are their sections)

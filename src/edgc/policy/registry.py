@@ -9,6 +9,7 @@ before building the config (docs/developing.md shows both).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from edgc.policy.noise import NoisePolicy
 from edgc.policy.schedule import SchedulePolicy
 from edgc.policy.static import StaticPolicy
 
-__all__ = ["REMOVED", "make_policy", "policy_class", "policy_names", "register_policy"]
+__all__ = ["REMOVED", "make_policy", "policy_class", "policy_names", "policy_settings_class", "register_policy"]
 
 #: A factory: the EDGCConfig in, a fresh policy out.
 Factory = Callable[[Any], RankPolicy]
@@ -34,6 +35,8 @@ _BUILTIN: dict[str, Factory] = {
     "critical": CriticalPolicy,  # experimental
 }
 _REGISTRY: dict[str, Factory] = dict(_BUILTIN)
+#: A registered policy's settings dataclass (EDGCConfig.policy_settings), by policy name.
+_SETTINGS: dict[str, type] = {}
 
 #: Policies that existed once, with why they are gone (a config or a saved state that
 #: names one is refused with this).
@@ -43,14 +46,30 @@ REMOVED: dict[str, str] = {
 }
 
 
-def register_policy(name: str, factory: Factory) -> None:
-    """Make `name` a value of EDGCConfig.policy, built by `factory(config)`. Raises
-    ValueError for an empty name or one taken by another factory."""
+def register_policy(name: str, factory: Factory, settings: type | None = None) -> None:
+    """Make `name` a value of EDGCConfig.policy, built by `factory(config)`. `settings`: a
+    dataclass of the policy's own settings, given in EDGCConfig.policy_settings as a table
+    of its fields (or an instance) and read by the policy as `config.settings()`; its
+    fields follow the rules of every config field (int, float, str, bool, or one of them
+    or None), and a `check(bad)` method, if it has one, is called with `bad(field, why)`
+    as NoiseConfig's is. Raises ValueError for an empty name or one taken by another
+    factory (or the same factory with other settings), TypeError for settings that are
+    not a dataclass."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a policy needs a non-empty name, got {name!r}")
-    if name in REMOVED or _REGISTRY.get(name, factory) is not factory:
+    if settings is not None and not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
+        raise TypeError(f"policy {name!r}: settings must be a dataclass, got {settings!r}")
+    if name in REMOVED or _REGISTRY.get(name, factory) is not factory or _SETTINGS.get(name, settings) is not settings:
         raise ValueError(f"policy name {name!r} is taken")
     _REGISTRY[name] = factory
+    if settings is not None:
+        _SETTINGS[name] = settings
+
+
+def policy_settings_class(name: str) -> type | None:
+    """The settings dataclass registered with policy `name` (None: it has none here; the
+    built-in policies keep theirs in EDGCConfig's sections)."""
+    return _SETTINGS.get(name)
 
 
 def policy_names() -> tuple[str, ...]:
