@@ -63,6 +63,11 @@ def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> dic
     return out
 
 
+#: `edgc COMMAND [SUBCOMMAND] options...` (or after `torchrun ... -m`) at a line's start, in
+#: an indented or prompted line, or in backticks.
+COMMAND = re.compile(r"(?:^|`|\$ |    )(?:torchrun [^`\n]*?-m )?edgc ([a-z]+(?: [a-z]+)?)([^`\n]*)", re.M)
+
+
 def test_every_option_the_docs_give_an_edgc_command_exists():
     """Every --option written after `edgc COMMAND` (or `torchrun ... -m edgc COMMAND`) in a
     tracked Markdown page, in code or in backticks, is one that command takes. Options in
@@ -74,7 +79,7 @@ def test_every_option_the_docs_give_an_edgc_command_exists():
     wrong = []
     for page in (p for p in pages if not p.startswith("benchmarks/results/")):
         text = (ROOT / page).read_text().replace("\\\n", " ")
-        for m in re.finditer(r"(?:^|`|\$ |    )(?:torchrun [^`\n]*?-m )?edgc ([a-z]+(?: [a-z]+)?)([^`\n]*)", text, re.M):
+        for m in COMMAND.finditer(text):
             words = m.group(1).split()
             path = tuple(words[:1])
             if path not in commands:
