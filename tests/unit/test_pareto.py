@@ -2,7 +2,7 @@
 
 import math
 
-from edgc.bench.pareto import ParetoPoint, frontier_verdict, split_policies, static_ranks, sweep
+from edgc.bench.pareto import ParetoPoint, frontier_verdict, pareto_markdown, split_policies, static_ranks, sweep
 
 
 def _p(name, loss, mb, se=0.01, seconds=None, kind="static", rank=None):
@@ -72,3 +72,15 @@ def test_a_run_at_the_frontiers_end_point_is_on_it():
     far = top.bytes / 1e6 * 1.05
     assert frontier_verdict(_p("dearer", top.val_loss, far, kind="dynamic"), STATIC, "bytes") == "outside the frontier"
     assert frontier_verdict(_p("x", 3.6, 300, kind="dynamic"), [], "bytes") == "no frontier"
+
+
+def test_the_report_names_the_frontier_wire_and_flags_a_run_in_another():
+    statics = [ParetoPoint(f"powersgd-r{r}", "static", r, loss, 0.01, mb * 1e6, mb, math.inf, wire="int8")
+               for r, loss, mb in ((8, 4.20, 100.0), (16, 4.15, 200.0), (32, 4.14, 400.0))]
+    same = ParetoPoint("edgc-noise", "dynamic", 32, 4.10, 0.01, 150e6, 150.0, math.inf, wire="int8")
+    other = ParetoPoint("edgc-native", "dynamic", 32, 4.10, 0.01, 150e6, 150.0, math.inf, wire="native")
+    text = pareto_markdown([*statics, same, other], 4.14, "powersgd-r32", "setup.")
+    assert "The static frontier's factors travel in int8" in text
+    assert "| powersgd-r8 | int8 |" in text and "| edgc-native | native |" in text
+    assert "edgc-noise: reaches" in text and "(int8 wire, as this run's): beyond" in text
+    assert "(int8 wire; this run's is native: not the same wire)" in text

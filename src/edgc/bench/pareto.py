@@ -63,6 +63,7 @@ class ParetoPoint:
     bytes: float  # bytes this replica handed to collectives, whole run
     seconds: float  # training wall time: summed step times, evaluation excluded
     time_to_target: float  # seconds until the first validation loss <= the target (inf: never)
+    wire: str = "native"  # what its sums travelled in: EDGCConfig.wire, "native" for torch's hook, "-" for none
 
 
 def static_ranks(r_max: int) -> list[int]:
@@ -148,7 +149,9 @@ def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) 
 
 
 def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float | None) -> ParetoPoint:
-    _, records = load_run(run_dir)
+    config, records = load_run(run_dir)
+    edgc = config.get("edgc") or {}
+    wire = "-" if kind == "none" else str(edgc.get("wire", "native")) if kind in ("static", "dynamic") else "native"
     train = [r for r in records if r.get("kind") == "train"]
     val = [r for r in records if r.get("kind") == "val"]
     last = val[-1] if val else {}
@@ -160,6 +163,7 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
         bytes=float(sum(r["bytes_sent"] for r in train)),
         seconds=float(sum(r["step_time"] for r in train)),
         time_to_target=time_to_target(records, target) if target is not None else math.inf,
+        wire=wire,
     )
 
 
@@ -287,20 +291,23 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
     """The sweep's table, the verdict of each non-static run, and the plots."""
     statics = [p for p in points if p.kind == "static"]
     ref = next((p for p in statics if p.name == target_name), None)
+    wires = sorted({p.wire for p in statics})
+    frontier_wire = wires[0] if len(wires) == 1 else " and ".join(wires)
     lines = [
-        f"| run | final val loss ± SE | MB sent | bytes vs {target_name} | wall time (s) | "
+        f"| run | wire | final val loss ± SE | MB sent | bytes vs {target_name} | wall time (s) | "
         f"time to {target:.4f} (s) | vs frontier (bytes) | vs frontier (time) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         judged = p.kind != "static"
         ttt = "not reached" if math.isinf(p.time_to_target) else f"{p.time_to_target:.1f}"
         lines.append(
-            f"| {p.name} | {p.val_loss:.4f} ± {p.val_se:.4f} | {p.bytes / 1e6:.1f} | "
+            f"| {p.name} | {p.wire} | {p.val_loss:.4f} ± {p.val_se:.4f} | {p.bytes / 1e6:.1f} | "
             f"{p.bytes / ref.bytes:.2f}x | {p.seconds:.1f} | {ttt} | "
             f"{frontier_verdict(p, statics, 'bytes') if judged else 'frontier'} | "
             f"{frontier_verdict(p, statics, 'seconds') if judged else 'frontier'} |"
-            if ref else f"| {p.name} | {p.val_loss:.4f} | {p.bytes / 1e6:.1f} | - | {p.seconds:.1f} | {ttt} | - | - |"
+            if ref else f"| {p.name} | {p.wire} | {p.val_loss:.4f} | {p.bytes / 1e6:.1f} | - | {p.seconds:.1f} | {ttt} "
+                        "| - | - |"
         )
     notes = []
     if ref is not None:
@@ -312,12 +319,16 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
             notes.append(
                 f"- {p.name}: {'reaches' if same else 'does not reach'} {target_name}'s final loss within one "
                 f"standard error ({p.val_loss:.4f} vs {ref.val_loss:.4f} ± {margin:.4f}) with "
-                f"{p.bytes / ref.bytes:.2f}x its bytes. Against the static frontier: "
+                f"{p.bytes / ref.bytes:.2f}x its bytes. Against the static frontier ({frontier_wire} wire"
+                + (", as this run's" if p.wire == frontier_wire else f"; this run's is {p.wire}: not the same wire")
+                + "): "
                 f"{frontier_verdict(p, statics, 'bytes')} (loss vs bytes), "
                 f"{frontier_verdict(p, statics, 'seconds')} (loss vs time)."
             )
     return (
-        "# edgc bench pareto\n\n" + setup + "\n\n" + "\n".join(lines) + "\n\n"
+        "# edgc bench pareto\n\n" + setup + f" The static frontier's factors travel in {frontier_wire} "
+        "(EDGCConfig.wire, as every compressed run's unless --edgc-wire says otherwise after --).\n\n"
+        + "\n".join(lines) + "\n\n"
         + ("\n".join(notes) + "\n\n" if notes else "")
         + "The frontier joins the static PowerSGD ranks; a verdict compares a run's final validation loss with "
         "the frontier's at the same bytes (or wall time), interpolated in log space, with the combined standard "
