@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from edgc.bench.pareto import ParetoPoint, frontier_verdict, pareto_markdown, split_policies, static_ranks, sweep
 
 
@@ -84,3 +86,18 @@ def test_the_report_names_the_frontier_wire_and_flags_a_run_in_another():
     assert "| powersgd-r8 | int8 |" in text and "| edgc-native | native |" in text
     assert "edgc-noise: reaches" in text and "(int8 wire, as this run's): beyond" in text
     assert "(int8 wire; this run's is native: not the same wire)" in text
+
+
+def test_a_policy_spec_carries_settings_for_its_run():
+    assert split_policies("noise;noise[noise_exponent=0.5,long_rank_factor=1]") == [
+        "noise", "noise[noise_exponent=0.5,long_rank_factor=1]"]
+    assert split_policies("noise,noise[noise_exponent=0.5,min_rank=4],cqm") == [
+        "noise", "noise[noise_exponent=0.5,min_rank=4]", "cqm"]
+    name, kind, rank, args = sweep(32, ["noise[noise_exponent=0.5,long_rank_factor=1]"])[-1]
+    assert (name, kind, rank) == ("edgc-noise-noise_exponent-0.5-long_rank_factor-1", "dynamic", 32)
+    assert args[-6:] == ["--edgc-policy", "noise", "--edgc-noise-exponent", "0.5", "--edgc-long-rank-factor", "1"]
+    for bad in ("noise[noise_exponent=0.5", "noise[noise_exponent]", "noise[=1]"):
+        with pytest.raises(ValueError, match="settings go in brackets|FIELD=VALUE"):
+            sweep(32, [bad])
+    with pytest.raises(ValueError, match="names a run twice"):
+        sweep(32, ["noise", "noise"])

@@ -72,11 +72,17 @@ def static_ranks(r_max: int) -> list[int]:
 
 
 def split_policies(text: str) -> list[str]:
-    """Policy specs from --policies: separated by ';', or by ',' outside a schedule's knots."""
-    if ";" in text:
-        return [p.strip() for p in text.split(";") if p.strip()]
+    """Policy specs from --policies: separated by ';', or by ',' outside a schedule's knots
+    and outside a spec's [settings]."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if c == ";" or (c == "," and depth == 0 and ";" not in text):
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
     specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
+    for part in (p.strip() for p in parts):
         if part and specs and specs[-1].startswith("schedule=") and "=" not in part and ":" in part:
             specs[-1] += "," + part  # another knot of the schedule before it
         elif part:
@@ -84,22 +90,48 @@ def split_policies(text: str) -> list[str]:
     return specs
 
 
+def _settings(spec: str) -> tuple[str, list[tuple[str, str]]]:
+    """"noise[noise_exponent=0.5,long_rank_factor=1]" -> ("noise", [(field, value), ...]):
+    EDGCConfig fields, by their flat names, set for that run only."""
+    name, bracket, rest = spec.partition("[")
+    if not bracket:
+        return spec, []
+    if not rest.endswith("]"):
+        raise ValueError(f"{spec!r}: settings go in brackets, as noise[noise_exponent=0.5]")
+    pairs = []
+    for item in (i.strip() for i in rest[:-1].split(",") if i.strip()):
+        field, eq, value = item.partition("=")
+        if not eq or not field.strip() or not value.strip():
+            raise ValueError(f"{spec!r}: each setting is FIELD=VALUE, as noise_exponent=0.5")
+        pairs.append((field.strip(), value.strip()))
+    return name, pairs
+
+
 def sweep(r_max: int, policies: list[str]) -> list[tuple[str, str, int | None, list[str]]]:
-    """(run name, kind, rank, `edgc train` arguments) for every run of the sweep."""
+    """(run name, kind, rank, `edgc train` arguments) for every run of the sweep. A policy
+    spec is a name, "schedule=STEP:RANK,...", or a name with EDGCConfig fields for its run
+    in brackets ("noise[noise_exponent=0.5]": run "edgc-noise-noise_exponent-0.5")."""
     runs: list[tuple[str, str, int | None, list[str]]] = [("none", "none", None, ["--method", "none"])]
     for r in static_ranks(r_max):
         runs.append((f"powersgd-r{r}", "static", r, ["--method", "powersgd", "--rank", str(r)]))
     runs.append((f"torch-powersgd-r{r_max}", "torch", r_max, ["--method", "torch-powersgd", "--rank", str(r_max)]))
     for spec in policies:
-        policy, _, schedule = spec.partition("=")
+        named, settings = _settings(spec)
+        policy, _, schedule = named.partition("=")
         if policy not in policy_names() or policy == "static":
             dynamic = [p for p in policy_names() if p != "static"]
             raise ValueError(f"unknown dynamic policy {policy!r}; choose from {dynamic}")
         if (policy == "schedule") != bool(schedule):
             raise ValueError(f'{spec!r}: give a schedule as schedule=STEP:RANK,... and only for "schedule"')
         extra = ["--edgc-schedule-ranks", schedule] if schedule else []
-        runs.append((f"edgc-{policy}", "dynamic", r_max,
-                     ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy, *extra]))
+        for field, value in settings:
+            extra += [f"--edgc-{field.replace('_', '-')}", value]
+        name = "-".join([f"edgc-{policy}", *(f"{f}-{v}" for f, v in settings)])
+        args = ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy, *extra]
+        runs.append((name, "dynamic", r_max, args))
+    names = [name for name, *_ in runs]
+    if len(names) != len(set(names)):
+        raise ValueError(f"--policies names a run twice: {names}")
     return runs
 
 
@@ -190,7 +222,8 @@ reused, so a stopped sweep continues where it was."""
 _EXAMPLES = """\
 examples:
   edgc bench pareto --steps 1000                                     noise and cqm against static ranks
-  edgc bench pareto --policies "cqm;spectral;schedule=0:32,500:16"   three dynamic policies
+  edgc bench pareto --policies "cqm;linear;schedule=0:32,500:16"     three dynamic policies
+  edgc bench pareto --policies "noise;noise[noise_exponent=0.5]"      the default and a variant of it
   edgc bench pareto --jobs 2 --skip powersgd-r4,torch-powersgd-r32   2 runs at once, 2 runs left out
   edgc bench pareto --data data/mine --bandwidth 200mbit -- --lr 3e-4
                                                                      emulated links; after --: edgc train options"""
@@ -207,8 +240,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=32, help="r_max; static ranks r_max/8 .. r_max")
     p.add_argument("--policies", default="noise;cqm",
                    help="dynamic policies, separated by ';' or ',' (EDGCConfig.policy); a rank schedule as "
-                        "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\"; default: the default "
-                        "policy and the paper's)")
+                        "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\"); EDGCConfig fields for one "
+                        "run in brackets, by their flat names (e.g. \"noise;noise[noise_exponent=0.5]\") "
+                        "(default: the default policy and the paper's)")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")
