@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from edgc.bench.pareto import ParetoPoint, frontier_verdict, pareto_markdown, split_policies, static_ranks, sweep
+from edgc.bench.pareto import (
+    ParetoPoint,
+    frontier_verdict,
+    pareto_markdown,
+    parse_ranks,
+    split_policies,
+    static_ranks,
+    sweep,
+)
 
 
 def _p(name, loss, mb, se=0.01, seconds=None, kind="static", rank=None):
@@ -101,3 +109,14 @@ def test_a_policy_spec_carries_settings_for_its_run():
             sweep(32, [bad])
     with pytest.raises(ValueError, match="names a run twice"):
         sweep(32, ["noise", "noise"])
+
+
+def test_static_ranks_can_be_given():
+    assert parse_ranks("8,16,24,32", 32) == [8, 16, 24, 32]
+    assert parse_ranks("32,24", 32) == [24, 32]
+    names = [name for name, *_ in sweep(32, ["noise"], [8, 16, 24, 32])]
+    assert names == ["none", "powersgd-r8", "powersgd-r16", "powersgd-r24", "powersgd-r32", "torch-powersgd-r32",
+                     "edgc-noise"]
+    for bad in ("8,16", "0,32", "8,x,32", "16,40"):
+        with pytest.raises(ValueError, match="--static-ranks"):
+            parse_ranks(bad, 32)

@@ -6,6 +6,9 @@ loss. The sweep trains, one after the other on the same workers:
 
 - `none` (plain all-reduce),
 - our PowerSGD at every rank r_max, r_max/2, r_max/4, r_max/8 (powers of two, at least 1),
+  or at the ranks of --static-ranks (the frontier joins its points with straight lines in
+  log bytes, so ranks between the powers of two draw it closer: a policy between r_max/2
+  and r_max is judged against what a static rank there actually reaches),
 - torch's `powerSGD_hook` at r_max,
 - each dynamic policy asked for (`--policies`),
 
@@ -48,7 +51,7 @@ from edgc.train.config import TrainConfig
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
 
-__all__ = ["ParetoPoint", "add_parser", "frontier_verdict", "run", "static_ranks", "sweep"]
+__all__ = ["ParetoPoint", "add_parser", "frontier_verdict", "parse_ranks", "run", "static_ranks", "sweep"]
 
 
 @dataclass
@@ -107,12 +110,26 @@ def _settings(spec: str) -> tuple[str, list[tuple[str, str]]]:
     return name, pairs
 
 
-def sweep(r_max: int, policies: list[str]) -> list[tuple[str, str, int | None, list[str]]]:
+def parse_ranks(text: str, r_max: int) -> list[int]:
+    """--static-ranks: ranks separated by ',', each in [1, r_max], r_max among them; ascending."""
+    try:
+        ranks = sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise ValueError(f"--static-ranks {text!r}: give ranks as integers separated by ','") from None
+    if not ranks or ranks[0] < 1 or ranks[-1] != r_max:
+        raise ValueError(f"--static-ranks {text!r}: ranks in [1, {r_max}], with r_max ({r_max}), the target, "
+                         "among them")
+    return ranks
+
+
+def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None
+          ) -> list[tuple[str, str, int | None, list[str]]]:
     """(run name, kind, rank, `edgc train` arguments) for every run of the sweep. A policy
     spec is a name, "schedule=STEP:RANK,...", or a name with EDGCConfig fields for its run
-    in brackets ("noise[noise_exponent=0.5]": run "edgc-noise-noise_exponent-0.5")."""
+    in brackets ("noise[noise_exponent=0.5]": run "edgc-noise-noise_exponent-0.5").
+    `ranks`: the static ranks (default `static_ranks(r_max)`)."""
     runs: list[tuple[str, str, int | None, list[str]]] = [("none", "none", None, ["--method", "none"])]
-    for r in static_ranks(r_max):
+    for r in ranks or static_ranks(r_max):
         runs.append((f"powersgd-r{r}", "static", r, ["--method", "powersgd", "--rank", str(r)]))
     runs.append((f"torch-powersgd-r{r_max}", "torch", r_max, ["--method", "torch-powersgd", "--rank", str(r_max)]))
     for spec in policies:
@@ -243,6 +260,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\"); EDGCConfig fields for one "
                         "run in brackets, by their flat names (e.g. \"noise;noise[noise_exponent=0.5]\") "
                         "(default: the default policy and the paper's)")
+    p.add_argument("--static-ranks", default=None, metavar="R,R,...",
+                   help="the static ranks that draw the frontier, r_max among them (default: r_max/8, r_max/4, "
+                        "r_max/2, r_max); more ranks between them draw it closer, e.g. 8,16,24,32")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")
@@ -266,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
                          "an emulated cluster (--bandwidth) times one at a time")
     out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
-    runs = sweep(args.rank, split_policies(args.policies))
+    ranks = parse_ranks(args.static_ranks, args.rank) if args.static_ranks else None
+    runs = sweep(args.rank, split_policies(args.policies), ranks)
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     unknown = skip - {name for name, *_ in runs}
     if unknown or f"powersgd-r{args.rank}" in skip:
