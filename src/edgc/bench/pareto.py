@@ -259,10 +259,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dynamic policies, separated by ';' or ',' (EDGCConfig.policy); a rank schedule as "
                         "schedule=STEP:RANK,... (e.g. \"cqm;schedule=0:32,500:16\"); EDGCConfig fields for one "
                         "run in brackets, by their flat names (e.g. \"noise;noise[noise_exponent=0.5]\") "
-                        "(default: the default policy and the paper's)")
+                        "(default: noise;cqm, the default policy and the paper's)")
     p.add_argument("--static-ranks", default=None, metavar="R,R,...",
                    help="the static ranks that draw the frontier, r_max among them (default: r_max/8, r_max/4, "
-                        "r_max/2, r_max); more ranks between them draw it closer, e.g. 8,16,24,32")
+                        "r_max/2, r_max); more ranks between them draw it closer, e.g. 8,16,24,32 (default: "
+                        "the powers of two)")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")

@@ -170,15 +170,17 @@ class Collectives:
     # ------------------------------------------------------------------ issuing and waiting
 
     def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, async_op: bool = False,
-                   device_copy: torch.device | None = None, control: bool = False) -> Issued:
+                   device_copy: torch.device | None = None, control: bool = False, sum_stage: bool = False) -> Issued:
         """All-reduce `tensor` in place over the process group (`control`: over the control
-        group); counts its bytes as sent.
+        group); counts its bytes as sent (`sum_stage`: the all-reduce of a sum in a wire
+        format, whose bytes and handle `sum_in` keeps instead).
 
         A blocking call is timed here; an async call returns a handle for `wait`.
         device_copy: for small control tensors built on the CPU, the device the backend
         needs (NCCL reduces only CUDA tensors); the result is copied back (after the wait).
         """
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+        if not sum_stage:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
         group = self._control_group if control and self._control_group is not None else self._process_group
         if (self.control_size if control else self.world_size) == 1:
             return Issued(None)
@@ -187,7 +189,8 @@ class Collectives:
         if device_copy is not None and device_copy.type != "cpu":
             back = (tensor.to(device_copy), tensor)
         work = dist.all_reduce(back[0] if back else tensor, op=op, group=group, async_op=True)
-        self.recent_works.append(work)
+        if not sum_stage:
+            self.recent_works.append(work)
         if async_op:
             return Issued(work, back)
         work.wait()
@@ -203,11 +206,16 @@ class Collectives:
         or as it is. The sum is in `flat` after `wait`. Counts the format's bytes as sent."""
         fmt, world = wire_format(wire), self.world_size
         self.bytes_sent += fmt.sum_bytes(flat, world)
-        if world == 1:
-            return Issued(None)
-        started = fmt.start_sum(flat, self._process_group, world)
+        started = fmt.start_sum(flat, self._process_group, world, self._sum_all_reduce)
+        if started.work is None:
+            return Issued(None)  # (one replica: nothing in flight)
         self.recent_works.append(started.work)
         return Issued(started.work, sum=started)
+
+    def _sum_all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Issue the all-reduce of a plain sum in a wire format (WireFormat.start_sum), as
+        every all-reduce is issued (`all_reduce`); its handle (None: one replica)."""
+        return self.all_reduce(tensor, async_op=True, sum_stage=True).work
 
     def wait(self, issued: list[Issued], step_comm: LapSum | None = None) -> None:
         """Wait for async collectives; the time spent waiting counts once as communication

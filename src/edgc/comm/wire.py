@@ -60,6 +60,7 @@ finiteness check sees it as it would see a full-precision sum.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,16 +165,21 @@ class WireFormat:
             return 2 * flat.numel()
         return flat.numel() * flat.element_size()
 
-    def start_sum(self, flat: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> WireSum:
+    def start_sum(self, flat: torch.Tensor, group: dist.ProcessGroup | None, world: int,
+                  all_reduce: Callable[[torch.Tensor], Any] | None = None) -> WireSum:
         """Issue the first collective of the sum of `flat` (1-D, floating) over `group` of
-        `world` >= 2 replicas in this format; the sum is in `flat` once its stages are
-        done (WireSum)."""
+        `world` replicas in this format; the sum is in `flat` once its stages are done
+        (WireSum; its `work` is None with one replica, where `flat` is the sum already).
+        `all_reduce(tensor)`, where given, issues a plain format's all-reduce SUM over
+        `group` and returns its handle (edgc.comm.collectives issues every all-reduce in
+        one place); a quantized format issues its own collectives."""
         code = self.codec
-        if code is not None:
-            return GatheredSum(flat, code, group) if world == 2 else QuantizedSum(flat, code, group, world)
-        if self.name == "bf16" and flat.dtype != torch.bfloat16:
-            return AllReduceSum(flat, group, torch.bfloat16)
-        return AllReduceSum(flat, group)
+        if code is None:
+            dtype = torch.bfloat16 if self.name == "bf16" and flat.dtype != torch.bfloat16 else None
+            return AllReduceSum(flat, group, dtype, all_reduce)
+        if world == 1:
+            return WireSum()
+        return GatheredSum(flat, code, group) if world == 2 else QuantizedSum(flat, code, group, world)
 
 
 #: The formats' names (EDGCConfig.wire).
@@ -351,11 +357,12 @@ def _decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: 
 
 class WireSum:
     """A sum over the replicas in flight, in stages: `work` is the handle of the stage's
-    collective. After waiting for it, `advance()` runs what follows: it issues the next
-    stage's collective and returns True (`work` is then its handle), or writes the sum into
-    the buffer and returns False. Every replica issues the same stages in the same order."""
+    collective (None: nothing in flight, the sum is done). After waiting for it,
+    `advance()` runs what follows: it issues the next stage's collective and returns True
+    (`work` is then its handle), or writes the sum into the buffer and returns False. Every
+    replica issues the same stages in the same order."""
 
-    work: Any
+    work: Any = None
 
     def advance(self) -> bool:
         return False
@@ -365,11 +372,13 @@ class AllReduceSum(WireSum):
     """One all-reduce SUM, in place, or of a copy in `dtype` (the "bf16" format's tensors
     sent whole) that is copied back after the wait."""
 
-    def __init__(self, flat: torch.Tensor, group: dist.ProcessGroup | None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, flat: torch.Tensor, group: dist.ProcessGroup | None, dtype: torch.dtype | None = None,
+                 all_reduce: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.flat = flat
         self.send = flat if dtype is None else flat.to(dtype)
         # collective: all-reduce SUM of the buffer, in its dtype or the format's
-        self.work = dist.all_reduce(self.send, group=group, async_op=True)
+        self.work = (all_reduce(self.send) if all_reduce is not None
+                     else dist.all_reduce(self.send, group=group, async_op=True))
 
     def advance(self) -> bool:
         if self.send is not self.flat:
