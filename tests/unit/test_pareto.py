@@ -6,6 +6,7 @@ import pytest
 
 from edgc.bench.pareto import (
     ParetoPoint,
+    frontier_gap,
     frontier_verdict,
     pareto_markdown,
     parse_ranks,
@@ -120,3 +121,13 @@ def test_static_ranks_can_be_given():
     for bad in ("8,16", "0,32", "8,x,32", "16,40"):
         with pytest.raises(ValueError, match="--static-ranks"):
             parse_ranks(bad, 32)
+
+
+def test_the_gap_below_the_frontier_is_the_verdicts():
+    inside = _p("x", 3.61, 300, kind="dynamic")  # between r8 (200, 3.70) and r16 (400, 3.62)
+    gap, margin = frontier_gap(inside, STATIC)
+    w = math.log(300 / 200) / math.log(400 / 200)
+    assert gap == pytest.approx(3.70 + w * (3.62 - 3.70) - 3.61)
+    assert margin == pytest.approx(math.hypot(0.01, 0.01))
+    assert (gap > margin) == (frontier_verdict(inside, STATIC, "bytes") == "beyond")
+    assert frontier_gap(_p("y", 3.5, 50, kind="dynamic"), STATIC) is None  # (outside the frontier's bytes)

@@ -51,7 +51,8 @@ from edgc.train.config import TrainConfig
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
 
-__all__ = ["ParetoPoint", "add_parser", "frontier_verdict", "parse_ranks", "run", "static_ranks", "sweep"]
+__all__ = ["ParetoPoint", "add_parser", "frontier_gap", "frontier_verdict", "parse_ranks", "run", "static_ranks",
+           "sweep"]
 
 
 @dataclass
@@ -195,6 +196,21 @@ def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) 
     if x >= getattr(nearest, axis) and point.val_loss > nearest.val_loss + margin:
         return "behind"
     return "outside the frontier"
+
+
+def frontier_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "bytes") -> tuple[float, float] | None:
+    """(how far `point`'s loss lies below the frontier's at its bytes (or time), the margin
+    `frontier_verdict` uses) where the frontier spans its bytes; None outside it."""
+    pts = sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: getattr(s, axis))
+    xs = [getattr(s, axis) for s in pts]
+    i = _bracket(xs, getattr(point, axis)) if len(pts) > 1 and math.isfinite(point.val_loss) else None
+    if i is None:
+        return None
+    lo, hi = pts[i], pts[i + 1]
+    span = math.log(xs[i + 1]) - math.log(xs[i])
+    w = 0.0 if span == 0 else (math.log(getattr(point, axis)) - math.log(xs[i])) / span
+    return lo.val_loss + w * (hi.val_loss - lo.val_loss) - point.val_loss, math.hypot(point.val_se,
+                                                                                       max(lo.val_se, hi.val_se))
 
 
 def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float | None) -> ParetoPoint:
@@ -372,13 +388,16 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
                 continue
             margin = math.hypot(p.val_se, ref.val_se)
             same = p.val_loss <= ref.val_loss + margin
+            gap = frontier_gap(p, statics)
+            below = ("" if gap is None else
+                     f" ({gap[0]:+.4f} below the frontier's loss at its bytes, margin {gap[1]:.4f})")
             notes.append(
                 f"- {p.name}: {'reaches' if same else 'does not reach'} {target_name}'s final loss within one "
                 f"standard error ({p.val_loss:.4f} vs {ref.val_loss:.4f} ± {margin:.4f}) with "
                 f"{p.bytes / ref.bytes:.2f}x its bytes. Against the static frontier ({frontier_wire} wire"
                 + (", as this run's" if p.wire == frontier_wire else f"; this run's is {p.wire}: not the same wire")
                 + "): "
-                f"{frontier_verdict(p, statics, 'bytes')} (loss vs bytes), "
+                f"{frontier_verdict(p, statics, 'bytes')}{below} (loss vs bytes), "
                 f"{frontier_verdict(p, statics, 'seconds')} (loss vs time)."
             )
     return (
