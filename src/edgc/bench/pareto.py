@@ -176,16 +176,12 @@ def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) 
         return "no finite loss"
     xs = [getattr(s, axis) for s in pts]
     x = getattr(point, axis)
-    i = _bracket(xs, x)
-    if i is not None:
-        lo, hi = pts[i], pts[i + 1]
-        span = math.log(xs[i + 1]) - math.log(xs[i])
-        w = 0.0 if span == 0 else (math.log(x) - math.log(xs[i])) / span  # (log-space interpolation)
-        loss = lo.val_loss + w * (hi.val_loss - lo.val_loss)
-        margin = math.hypot(point.val_se, max(lo.val_se, hi.val_se))
-        if point.val_loss < loss - margin:
+    gap = frontier_gap(point, statics, axis)
+    if gap is not None:
+        below, margin = gap
+        if below > margin:
             return "beyond"
-        return "on" if point.val_loss <= loss + margin else "behind"
+        return "on" if below >= -margin else "behind"
     nearest = pts[0] if x < xs[0] else pts[-1]
     margin = math.hypot(point.val_se, nearest.val_se)
     if abs(x - getattr(nearest, axis)) <= END_TOLERANCE * getattr(nearest, axis) \
@@ -203,14 +199,14 @@ def frontier_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "by
     `frontier_verdict` uses) where the frontier spans its bytes; None outside it."""
     pts = sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: getattr(s, axis))
     xs = [getattr(s, axis) for s in pts]
-    i = _bracket(xs, getattr(point, axis)) if len(pts) > 1 and math.isfinite(point.val_loss) else None
+    i = _bracket(xs, getattr(point, axis)) if math.isfinite(point.val_loss) else None
     if i is None:
         return None
     lo, hi = pts[i], pts[i + 1]
     span = math.log(xs[i + 1]) - math.log(xs[i])
-    w = 0.0 if span == 0 else (math.log(getattr(point, axis)) - math.log(xs[i])) / span
-    return lo.val_loss + w * (hi.val_loss - lo.val_loss) - point.val_loss, math.hypot(point.val_se,
-                                                                                       max(lo.val_se, hi.val_se))
+    w = 0.0 if span == 0 else (math.log(getattr(point, axis)) - math.log(xs[i])) / span  # (log-space interpolation)
+    loss = lo.val_loss + w * (hi.val_loss - lo.val_loss)
+    return loss - point.val_loss, math.hypot(point.val_se, max(lo.val_se, hi.val_se))
 
 
 def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float | None) -> ParetoPoint:

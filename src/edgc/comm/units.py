@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from edgc.comm.wire import WireFormat, wire_format
+from edgc.comm.wire import WireFormat, wire_format, working_dtype
 
 __all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "factor_buffers", "flatten_by_dtype", "scatter",
            "slot_wire_bytes", "unit_plan", "working_dtype"]
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -37,11 +36,6 @@ class Group:
     @property
     def key(self) -> tuple[int, int, str]:
         return (*self.shape, str(self.dtype))
-
-
-def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype compression arithmetic runs in: float32 for half-precision gradients."""
-    return torch.float32 if dtype in _HALF else dtype
 
 
 def dtype_order(dtypes: Any) -> list[torch.dtype]:

@@ -67,9 +67,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "FORMATS", "AllReduceSum", "Codec", "GatheredSum", "QuantizedSum", "WireFormat", "WireSum",
+from edgc.config import WIRE_FORMATS
+
+__all__ = ["BLOCK", "AllReduceSum", "Codec", "GatheredSum", "QuantizedSum", "WireFormat", "WireSum",
            "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize", "quantized_bytes",
-           "wire_bytes", "wire_format"]
+           "wire_bytes", "wire_format", "working_dtype"]
 
 #: Elements per scale of a quantized buffer.
 BLOCK = 32
@@ -110,8 +112,8 @@ class WireFormat:
     name: str
 
     def __post_init__(self) -> None:
-        if self.name not in FORMATS:
-            raise ValueError(f"unknown wire format {self.name!r}; choose from {FORMATS}")
+        if self.name not in WIRE_FORMATS:
+            raise ValueError(f"unknown wire format {self.name!r}; choose from {WIRE_FORMATS}")
 
     @property
     def codec(self) -> Codec | None:
@@ -143,7 +145,7 @@ class WireFormat:
             return dtype
         if self.name == "bf16":
             return torch.bfloat16
-        return torch.float64 if dtype == torch.float64 else torch.float32
+        return working_dtype(dtype)
 
     def bytes(self, numel: int, element_size: int) -> int:
         """The bytes a buffer of `numel` elements in a gradient dtype of `element_size`
@@ -161,9 +163,7 @@ class WireFormat:
         with one replica), else the buffer in the format's dtype."""
         if self.quantized:
             return 0 if world == 1 else quantized_bytes(flat.numel(), world)
-        if self.name == "bf16":
-            return 2 * flat.numel()
-        return flat.numel() * flat.element_size()
+        return self.bytes(flat.numel(), flat.element_size())
 
     def start_sum(self, flat: torch.Tensor, group: dist.ProcessGroup | None, world: int,
                   all_reduce: Callable[[torch.Tensor], Any] | None = None) -> WireSum:
@@ -180,10 +180,6 @@ class WireFormat:
         if world == 1:
             return WireSum()
         return GatheredSum(flat, code, group) if world == 2 else QuantizedSum(flat, code, group, world)
-
-
-#: The formats' names (EDGCConfig.wire).
-FORMATS = ("native", "bf16", "int8", "fp8")
 
 
 def wire_format(wire: str | WireFormat) -> WireFormat:
@@ -402,7 +398,7 @@ class GatheredSum(WireSum):
 
     def advance(self) -> bool:
         flat, n, code = self.flat, self.flat.numel(), self.code
-        sum_dtype = _sum_dtype(flat)
+        sum_dtype = working_dtype(flat.dtype)
         first, second = self.gathered.view(2, self.row)
         total = flat if flat.dtype == sum_dtype else torch.empty(n, dtype=sum_dtype, device=flat.device)
         dequantize(first, n, code, sum_dtype, out=total)
@@ -446,7 +442,7 @@ class QuantizedSum(WireSum):
         """Sum this replica's chunk from the W pieces received (in replica order: the same
         float order on every replica) and issue the all-gather of the sums."""
         code, world, chunk = self.code, self.world, self.chunk
-        sum_dtype = _sum_dtype(self.flat)
+        sum_dtype = working_dtype(self.flat.dtype)
         pieces = self.recv.view(world, self.row)
         mine = dequantize(pieces[0], chunk, code, sum_dtype)
         for j in range(1, world):
@@ -459,7 +455,7 @@ class QuantizedSum(WireSum):
         """Each summed chunk into `flat`: the products in the sum's dtype, rounded once into flat's."""
         assert self.gathered is not None
         flat, chunk, code = self.flat, self.chunk, self.code
-        n, sum_dtype = flat.numel(), _sum_dtype(flat)
+        n, sum_dtype = flat.numel(), working_dtype(flat.dtype)
         for j, piece in enumerate(self.gathered.view(self.world, self.row)):
             count = min(chunk, n - j * chunk)
             if count <= 0:
@@ -468,11 +464,12 @@ class QuantizedSum(WireSum):
                     flat[j * chunk : j * chunk + count], add=False)
 
 
-def _sum_dtype(flat: torch.Tensor) -> torch.dtype:
-    """The dtype a quantized sum of `flat` is dequantized and added in: float32 for half
-    precision (an fp16 product of a code and a scale of a block of small values would
-    underflow), else flat's own."""
-    return torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype compression arithmetic runs in: float32 for half-precision gradients, else
+    their own. A quantized sum is dequantized and added in it too (an fp16 product of a code
+    and a scale of a block of small values would underflow), and a quantized format builds
+    its factor buffers in it (`WireFormat.send_dtype`)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
