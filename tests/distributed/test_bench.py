@@ -325,12 +325,36 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     assert proc.stdout.count("already done, reused") == 6
     text = (out / "pareto.md").read_text()
     assert "| powersgd-r1 |" not in text and "| torch-powersgd-r4 |" not in text and "| powersgd-r2 |" in text
+    # the frontier through the ranks given, and a variant of a policy judged against it in its own wire
+    variant = cmd[:cmd.index("--policies")] + ["--static-ranks", "2,4", "--policies", "noise[noise_exponent=0.5]",
+                                               "--skip", "none,torch-powersgd-r4"] + cmd[cmd.index("--out"):]
+    proc = subprocess.run(variant, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("already done, reused") == 2  # (ranks 2 and 4; the variant is new)
+    text = (out / "pareto.md").read_text()
+    assert "| edgc-noise-noise_exponent-0.5 | int8 |" in text and "| powersgd-r1 |" not in text
+    assert "The static frontier's factors travel in int8" in text and "(int8 wire, as this run's)" in text
+    config = json.loads((out / "edgc-noise-noise_exponent-0.5" / "config.json").read_text())
+    assert config["edgc"]["noise"]["exponent"] == 0.5
 
 
 @pytest.mark.parametrize("skip, message", [("powersgd-r4", "the target"), ("powersgd-r3", "no runs named")])
 def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",
                            "--skip", skip, "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--static-ranks", "1,2"], "r_max (4), the target, among them"),
+    (["--static-ranks", "2,x,4"], "give ranks as integers"),
+    (["--policies", "noise[noise_exponent]"], "each setting is FIELD=VALUE"),
+    (["--policies", "noise;noise"], "names a run twice"),
+])
+def test_bench_pareto_refuses_bad_ranks_and_specs(tmp_path, data_dir, args, message):
+    proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",
+                           *args, "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "p").exists()
 
