@@ -306,6 +306,9 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     assert (out / "pareto-bytes.png").is_file() and (out / "pareto-time.png").is_file()
     for name in ("edgc-noise", "edgc-cqm"):
         assert f"{name}: reaches" in text or f"{name}: does not reach" in text
+    # each evaluation against the statics' frontier of that step (4 steps: the last evaluation only)
+    assert "## Along the run" in text and "| edgc-noise: loss, bytes vs powersgd-r4, below the frontier" in text
+    assert "\n| 4 | " in text.split("## Along the run")[1]
     # a second call reuses the finished runs
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 7

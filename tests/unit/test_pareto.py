@@ -131,3 +131,47 @@ def test_the_gap_below_the_frontier_is_the_verdicts():
     assert margin == pytest.approx(math.hypot(0.01, 0.01))
     assert (gap > margin) == (frontier_verdict(inside, STATIC, "bytes") == "beyond")
     assert frontier_gap(_p("y", 3.5, 50, kind="dynamic"), STATIC) is None  # (outside the frontier's bytes)
+
+
+def _run_folder(path, kind, losses, mb_per_step, wire="int8"):
+    """A run folder as edgc train writes it: config.json and metrics.jsonl with a train record
+    a step (bytes_sent, step_time) and a val record at each step of `losses`."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"method": kind, "edgc": {"wire": wire}}))
+    records = []
+    for step in range(1, max(losses) + 1):
+        records.append({"step": step, "kind": "train", "bytes_sent": mb_per_step(step) * 1e6, "step_time": 0.1})
+        if step in losses:
+            records.append({"step": step, "kind": "val", "val_loss": losses[step], "val_loss_se": 0.01})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_along_the_run_each_evaluation_is_judged_against_the_statics_at_that_step(tmp_path):
+    from edgc.bench.pareto import along_markdown, points_along
+
+    _run_folder(tmp_path / "r8", "powersgd", {10: 4.0, 20: 3.5}, lambda s: 1.0)
+    _run_folder(tmp_path / "r16", "powersgd", {10: 3.9, 20: 3.4}, lambda s: 2.0)
+    # dear at first (3 MB a step: outside the frontier at step 10), then cheap (0.5 MB a step)
+    _run_folder(tmp_path / "dyn", "edgc", {10: 3.85, 20: 3.40}, lambda s: 3.0 if s <= 10 else 0.5)
+    along = {"r8": points_along("r8", "static", 8, tmp_path / "r8"),
+             "r16": points_along("r16", "static", 16, tmp_path / "r16"),
+             "dyn": points_along("dyn", "dynamic", 16, tmp_path / "dyn")}
+    dyn = along["dyn"]
+    assert sorted(dyn) == [10, 20]
+    assert dyn[10].bytes == pytest.approx(30e6) and dyn[20].bytes == pytest.approx(35e6)  # summed to the step
+    assert (dyn[10].val_loss, dyn[10].wire, along["r16"][20].bytes) == (3.85, "int8", pytest.approx(40e6))
+    text = along_markdown(along, "r16")
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| 1")
+            or line.startswith("| 2")}
+    assert "3.8500, 1.500x, outside the frontier" in rows["10"]
+    # step 20: 35 MB between r8's 20 MB (3.5) and r16's 40 MB (3.4), in log bytes: 3.5 - 0.1 * log(1.75) / log(2)
+    below = 3.5 - 0.1 * math.log(1.75) / math.log(2) - 3.40
+    assert f"3.4000, 0.875x, {below:+.4f} ({math.hypot(0.01, 0.01):.4f})" in rows["20"]
+    # nothing to draw without a dynamic run, or with one static run
+    assert along_markdown({k: along[k] for k in ("r8", "r16")}, "r16") == ""
+    assert along_markdown({k: along[k] for k in ("r16", "dyn")}, "r16") == ""
+    # the report carries the table before its plots
+    report = pareto_markdown([_p("r16", 3.4, 40), _p("dyn", 3.4, 35, kind="dynamic")], 3.4, "r16", "setup.", text)
+    assert report.index("## Along the run") < report.index("![loss vs bytes]")

@@ -51,8 +51,8 @@ from edgc.train.config import TrainConfig
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
 
-__all__ = ["ParetoPoint", "add_parser", "frontier_gap", "frontier_verdict", "parse_ranks", "run", "static_ranks",
-           "sweep"]
+__all__ = ["ParetoPoint", "add_parser", "along_markdown", "frontier_gap", "frontier_verdict", "parse_ranks",
+           "points_along", "run", "static_ranks", "sweep"]
 
 
 @dataclass
@@ -209,10 +209,14 @@ def frontier_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "by
     return loss - point.val_loss, math.hypot(point.val_se, max(lo.val_se, hi.val_se))
 
 
+def _wire(config: dict, kind: str) -> str:
+    """What a run's sums travelled in: EDGCConfig.wire, "native" for torch's hook, "-" for none."""
+    edgc = config.get("edgc") or {}
+    return "-" if kind == "none" else str(edgc.get("wire", "native")) if kind in ("static", "dynamic") else "native"
+
+
 def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float | None) -> ParetoPoint:
     config, records = load_run(run_dir)
-    edgc = config.get("edgc") or {}
-    wire = "-" if kind == "none" else str(edgc.get("wire", "native")) if kind in ("static", "dynamic") else "native"
     train = [r for r in records if r.get("kind") == "train"]
     val = [r for r in records if r.get("kind") == "val"]
     last = val[-1] if val else {}
@@ -224,8 +228,51 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
         bytes=float(sum(r["bytes_sent"] for r in train)),
         seconds=float(sum(r["step_time"] for r in train)),
         time_to_target=time_to_target(records, target) if target is not None else math.inf,
-        wire=wire,
+        wire=_wire(config, kind),
     )
+
+
+def points_along(name: str, kind: str, rank: int | None, run_dir: Path) -> dict[int, ParetoPoint]:
+    """The run's point at each of its evaluations: {step: the validation loss then, with the
+    bytes sent and the step time summed up to that step}."""
+    config, records = load_run(run_dir)
+    sent: dict[int, tuple[float, float]] = {}
+    total = seconds = 0.0
+    for r in records:
+        if r.get("kind") == "train":
+            total += r["bytes_sent"]
+            seconds += r["step_time"]
+            sent[r["step"]] = (total, seconds)
+    return {r["step"]: ParetoPoint(name=name, kind=kind, rank=rank, val_loss=float(r["val_loss"]),
+                                   val_se=float(r.get("val_loss_se") or 0.0), bytes=sent[r["step"]][0],
+                                   seconds=sent[r["step"]][1], time_to_target=math.inf, wire=_wire(config, kind))
+            for r in records if r.get("kind") == "val" and r.get("val_loss") is not None and r["step"] in sent}
+
+
+def along_markdown(along: dict[str, dict[int, ParetoPoint]], target_name: str) -> str:
+    """A table of every dynamic run against the static frontier at each evaluation the runs
+    share: the frontier drawn from the static runs' losses then and their bytes up to then.
+    Empty without a dynamic run or with fewer than two static ones."""
+    statics = [name for name, pts in along.items() if pts and next(iter(pts.values())).kind == "static"]
+    dynamics = [name for name, pts in along.items() if pts and next(iter(pts.values())).kind == "dynamic"]
+    if not dynamics or len(statics) < 2 or target_name not in statics:
+        return ""
+    steps = sorted(set.intersection(*(set(along[name]) for name in statics + dynamics)))
+    lines = ["| step | " + f"{target_name}'s loss | "
+             + " | ".join(f"{name}: loss, bytes vs {target_name}, below the frontier (margin)" for name in dynamics)
+             + " |", "|---|---|" + "---|" * len(dynamics)]
+    for step in steps:
+        ref = along[target_name][step]
+        cells = []
+        for name in dynamics:
+            p = along[name][step]
+            gap = frontier_gap(p, [along[s][step] for s in statics])
+            cells.append(f"{p.val_loss:.4f}, {p.bytes / ref.bytes:.3f}x, "
+                         + ("outside the frontier" if gap is None else f"{gap[0]:+.4f} ({gap[1]:.4f})"))
+        lines.append(f"| {step} | {ref.val_loss:.4f} | " + " | ".join(cells) + " |")
+    return ("## Along the run\n\nAt each evaluation, each dynamic run against the static frontier of that step (the "
+            "static runs' losses then, against the bytes they had sent by then): whether a verdict holds through the "
+            "run or only at its end.\n\n" + "\n".join(lines) + "\n\n")
 
 
 def _finished(run_dir: Path, args_list: list[str], steps: int) -> bool:
@@ -343,10 +390,11 @@ def run(args: argparse.Namespace) -> int:
     target = _point(static_max, "static", args.rank, out / static_max, None).val_loss
     points = [_point(name, kind, rank, out / name, target) for name, kind, rank, _ in runs]
     link = f"{args.bandwidth} per link each way (tc tbf, namespaces)" if args.bandwidth else "loopback, no limit"
+    along = {name: points_along(name, kind, rank, out / name) for name, kind, rank, _ in runs}
     text = pareto_markdown(points, target, static_max,
                            f"{args.preset}, {args.nproc} workers, {link}, {args.steps} steps, r_max {args.rank}, "
                            f"data {args.data or 'built-in corpus'}; {platform.machine()}, {os.cpu_count()} cores, "
-                           f"torch {torch.__version__}.")
+                           f"torch {torch.__version__}.", along_markdown(along, static_max))
     plot_pareto(points, out)
     (out / "pareto.md").write_text(text)
     (out / "pareto.json").write_text(json.dumps([p.__dict__ for p in points], indent=1, default=str) + "\n")
@@ -355,8 +403,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, setup: str) -> str:
-    """The sweep's table, the verdict of each non-static run, and the plots."""
+def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, setup: str, along: str = "") -> str:
+    """The sweep's table, the verdict of each non-static run, `along` (along_markdown's
+    table, if any) and the plots."""
     statics = [p for p in points if p.kind == "static"]
     ref = next((p for p in statics if p.name == target_name), None)
     wires = sorted({p.wire for p in statics})
@@ -404,7 +453,7 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
         + "The frontier joins the static PowerSGD ranks; a verdict compares a run's final validation loss with "
         "the frontier's at the same bytes (or wall time), interpolated in log space, with the combined standard "
         "error as the margin. Wall time is the sum of step times (evaluation excluded).\n\n"
-        "![loss vs bytes](pareto-bytes.png)\n![loss vs time](pareto-time.png)\n"
+        + along + "![loss vs bytes](pareto-bytes.png)\n![loss vs time](pareto-time.png)\n"
     )
 
 
