@@ -1,6 +1,7 @@
 """The policy registry: a policy added as docs/developing.md shows it trains through the
 DDP hook and resumes exactly; names are checked; the built-in policies are all there."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def test_names_are_checked(halving):
     assert registry.policy_names()[:6] == ("noise", "cqm", "linear", "static", "schedule", "critical")
     assert "halving" in registry.policy_names()
     registry.register_policy("halving", halving)  # (the same factory again: no change)
+    with pytest.raises(ValueError, match="'halving' is taken"):  # (settings added to a name taken without)
+        registry.register_policy("halving", halving, settings=dataclasses.make_dataclass("HalvingSettings", []))
     with pytest.raises(ValueError, match="'halving' is taken"):
         registry.register_policy("halving", RankPolicy)
     with pytest.raises(ValueError, match="'budget' is taken"):

@@ -59,7 +59,7 @@ def register_policy(name: str, factory: Factory, settings: type | None = None) -
         raise ValueError(f"a policy needs a non-empty name, got {name!r}")
     if settings is not None and not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
         raise TypeError(f"policy {name!r}: settings must be a dataclass, got {settings!r}")
-    if name in REMOVED or _REGISTRY.get(name, factory) is not factory or _SETTINGS.get(name, settings) is not settings:
+    if name in REMOVED or name in _REGISTRY and (_REGISTRY[name] is not factory or _SETTINGS.get(name) is not settings):
         raise ValueError(f"policy name {name!r} is taken")
     _REGISTRY[name] = factory
     if settings is not None:
