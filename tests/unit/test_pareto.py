@@ -175,3 +175,17 @@ def test_along_the_run_each_evaluation_is_judged_against_the_statics_at_that_ste
     # the report carries the table before its plots
     report = pareto_markdown([_p("r16", 3.4, 40), _p("dyn", 3.4, 35, kind="dynamic")], 3.4, "r16", "setup.", text)
     assert report.index("## Along the run") < report.index("![loss vs bytes]")
+
+
+def test_a_static_rank_another_beats_is_not_part_of_the_frontier():
+    # r8 sent more than r16 (a longer warm-up) and ended higher: the frontier runs r4 -> r16 -> r32
+    statics = [_p("r4", 3.80, 100, rank=4), _p("r8", 3.70, 450, rank=8), _p("r16", 3.62, 400, rank=16),
+               _p("r32", 3.60, 800, rank=32)]
+    at_420 = _p("x", 3.60, 420, kind="dynamic")
+    gap, _ = frontier_gap(at_420, statics)
+    line = 3.62 + (3.60 - 3.62) * math.log(420 / 400) / math.log(2)  # between r16 and r32, not r8 and r16
+    assert gap == pytest.approx(line - 3.60)
+    # at 430 MB the line r16 -> r8 would put the frontier at 3.66 and this point beyond it
+    assert frontier_verdict(_p("y", 3.63, 430, kind="dynamic"), statics, "bytes") == "on"
+    y = _p("y", 3.63, 430, kind="dynamic")
+    assert frontier_gap(y, statics) == frontier_gap(y, [statics[0], statics[2], statics[3]])

@@ -13,7 +13,8 @@ loss. The sweep trains, one after the other on the same workers:
 - each dynamic policy asked for (`--policies`),
 
 and draws loss against bytes and loss against wall time with the static ranks joined as
-the frontier. A point's verdict compares its final validation loss with the frontier's,
+the frontier (a static rank that another beats in both is left out of it: a low rank whose
+warm-up ran longer can send more and end higher). A point's verdict compares its final validation loss with the frontier's,
 interpolated at the same bytes (or time) in log space, with the combined standard error of
 the two losses as the margin: "beyond" (lower by more than the margin), "on" (within it)
 or "behind". Outside the frontier's range a point is judged against the nearest static
@@ -153,6 +154,17 @@ def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None
     return runs
 
 
+def _frontier(statics: list[ParetoPoint], axis: str) -> list[ParetoPoint]:
+    """The static points no other one beats: ascending in bytes (or time), each with a lower
+    loss than every point before it. A static rank that sent more and ended higher than
+    another (e.g. a lower rank whose warm-up ran longer) is not part of the frontier."""
+    pts = []
+    for p in sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: (getattr(s, axis), s.val_loss)):
+        if not pts or p.val_loss < pts[-1].val_loss:
+            pts.append(p)
+    return pts
+
+
 def _bracket(xs: list[float], x: float) -> int | None:
     """i with xs[i] <= x <= xs[i + 1] (xs ascending, at least two), or None outside."""
     for i in range(len(xs) - 1):
@@ -169,7 +181,7 @@ END_TOLERANCE = 0.01
 def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) -> str:
     """Where `point` lies against the static frontier on the loss-vs-`axis` plot ("bytes"
     or "seconds"): "beyond", "on", "behind" or "outside the frontier" (see module doc)."""
-    pts = sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: getattr(s, axis))
+    pts = _frontier(statics, axis)
     if not pts:
         return "no frontier"
     if not math.isfinite(point.val_loss):
@@ -197,7 +209,7 @@ def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) 
 def frontier_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "bytes") -> tuple[float, float] | None:
     """(how far `point`'s loss lies below the frontier's at its bytes (or time), the margin
     `frontier_verdict` uses) where the frontier spans its bytes; None outside it."""
-    pts = sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: getattr(s, axis))
+    pts = _frontier(statics, axis)
     xs = [getattr(s, axis) for s in pts]
     i = _bracket(xs, getattr(point, axis)) if math.isfinite(point.val_loss) else None
     if i is None:
@@ -450,7 +462,8 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
         "(EDGCConfig.wire, as every compressed run's unless --edgc-wire says otherwise after --).\n\n"
         + "\n".join(lines) + "\n\n"
         + ("\n".join(notes) + "\n\n" if notes else "")
-        + "The frontier joins the static PowerSGD ranks; a verdict compares a run's final validation loss with "
+        + "The frontier joins the static PowerSGD ranks that no other static rank beats (fewer bytes or less "
+        "time and a lower loss); a verdict compares a run's final validation loss with "
         "the frontier's at the same bytes (or wall time), interpolated in log space, with the combined standard "
         "error as the margin. Wall time is the sum of step times (evaluation excluded).\n\n"
         + along + "![loss vs bytes](pareto-bytes.png)\n![loss vs time](pareto-time.png)\n"
