@@ -158,7 +158,7 @@ def _frontier(statics: list[ParetoPoint], axis: str) -> list[ParetoPoint]:
     """The static points no other one beats: ascending in bytes (or time), each with a lower
     loss than every point before it. A static rank that sent more and ended higher than
     another (e.g. a lower rank whose warm-up ran longer) is not part of the frontier."""
-    pts = []
+    pts: list[ParetoPoint] = []
     for p in sorted((s for s in statics if math.isfinite(s.val_loss)), key=lambda s: (getattr(s, axis), s.val_loss)):
         if not pts or p.val_loss < pts[-1].val_loss:
             pts.append(p)
