@@ -13,13 +13,14 @@ loss. The sweep trains, one after the other on the same workers:
 - each dynamic policy asked for (`--policies`),
 
 and draws loss against bytes and loss against wall time with the static ranks joined as
-the frontier (a static rank that another beats in both is left out of it: a low rank
-whose warm-up ran longer can send more and end higher). A point's verdict compares its
-final validation loss with the frontier's, interpolated at the same bytes (or time) in log
-space, with the combined standard error of the two losses as the margin: "beyond" (lower by more than the margin), "on" (within it)
-or "behind". Outside the frontier's range a point is judged against the nearest static
-point only if it dominates or is dominated by it, or is "on" it (within 1% of its bytes or
-time, and its loss within the margin); otherwise "outside the frontier".
+the frontier (a static rank that another beats in both is left out of it: a low rank whose
+warm-up ran longer can send more and end higher). A point's verdict compares its final
+validation loss with the frontier's, interpolated at the same bytes (or time) in log
+space, with the combined standard error of the two losses as the margin: "beyond" (lower
+by more than the margin), "on" (within it) or "behind". Outside the frontier's range a
+point is judged against the nearest static point only if it dominates or is dominated by
+it, or is "on" it (within 1% of its bytes or time, and its loss within the margin);
+otherwise "outside the frontier".
 
 Runs whose folder already holds a finished run of the same settings are reused, so a long
 sweep can be stopped and continued.
