@@ -6,7 +6,8 @@
 #   bash scripts/gpu-check.sh --time-scale 3    # every time limit 3x (or GPU_CHECK_TIME_SCALE=3)
 #   bash scripts/gpu-check.sh --dry-run         # the parts and their commands; runs nothing
 #
-# The parts: the CUDA tests (every test marked `cuda`), bf16 DDP and HSDP training over NCCL
+# The parts: one compression round's cost on gpt2-345m (float32) and gpt2-2.5b (bf16)
+# (benchmarks/round_cost.py), the CUDA tests (every test marked `cuda`), bf16 DDP and HSDP training over NCCL
 # with the EDGC hook through `edgc train`, our hook against torch's powerSGD_hook
 # (benchmarks/hook_vs_torch.py --device cuda) and `edgc simulate --device cuda
 # --save-profile`. Each runs under its own time limit, and a failing part does not stop the
@@ -51,7 +52,7 @@ when it is set). Exits 2 at once, writing nothing, where torch sees no CUDA GPU.
 EOF
 }
 
-PARTS="cuda-tests ddp-nccl ddp-shared-gpu hsdp-nccl hook-vs-torch simulate-2.5b simulate-12.1b"
+PARTS="round-cost-345m round-cost-2.5b cuda-tests ddp-nccl ddp-shared-gpu hsdp-nccl hook-vs-torch simulate-2.5b simulate-12.1b"
 
 say() { printf 'gpu-check: %s\n' "$*"; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 2; }
@@ -251,6 +252,16 @@ no_skipped_tests() {
 run_parts() {
     local train=("$PY" -m edgc train --device cuda --dtype "$DTYPE" --method edgc --steps 100
         --data-cache "$WORK/data" --no-progress)
+
+    # What one compression round costs (benchmarks/round_cost.py): no hook, torch's
+    # powerSGD_hook and edgc's in its two wires, one process each, against one read of the
+    # gradient; first, as the figures a GPU alone can give.
+    LOG_AS=round-cost/gpt2-345m.txt part round-cost-345m 90 "one compression round, gpt2-345m in float32: time, memory, ops" \
+        "$PY" benchmarks/round_cost.py --device cuda --preset gpt2-345m --dtype float32 --batch 8 --block 512 \
+        --json "$RES/round-cost/gpt2-345m.json"
+    LOG_AS=round-cost/gpt2-2.5b.txt part round-cost-2.5b 150 "one compression round, gpt2-2.5b in bf16: time, memory, ops" \
+        "$PY" benchmarks/round_cost.py --device cuda --preset gpt2-2.5b --dtype bf16 --batch 4 --block 512 \
+        --json "$RES/round-cost/gpt2-2.5b.json"
 
     # Every test marked `cuda` (pyproject.toml), found by its marker so that a new one is
     # run too; only the files that use it are collected, so that a missing optional extra

@@ -34,7 +34,8 @@ from edgc.policy.registry import REMOVED, policy_class, policy_names, policy_set
 from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
-__all__ = ["ADDED_FIELDS", "MAX_RANK", "REMOVED_FIELDS", "SECTIONS", "SEED_LIMIT", "STATE_DTYPES", "SYNC_MODES",
+__all__ = ["ADDED_FIELDS", "MAX_RANK", "MAX_UNITS", "ORTHOGONALIZATIONS", "REMOVED_FIELDS", "SECTIONS", "SEED_LIMIT",
+           "STATE_DTYPES", "SYNC_MODES",
            "WIRE_FORMATS", "EDGCConfig", "pipeline_refusal", "upgrade_config_v1", "with_added_fields"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
@@ -44,6 +45,10 @@ SYNC_MODES = ("pipelined", "whole-step")
 WIRE_FORMATS = ("native", "bf16", "int8", "fp8")
 #: The dtype the error feedback and Q are kept in between steps (EDGCConfig.state_dtype).
 STATE_DTYPES = ("native", "float32", "bf16")
+#: How P is orthonormalised in the round (EDGCConfig.orthogonalization; edgc.compress.orthogonalize_).
+ORTHOGONALIZATIONS = ("cholesky", "householder")
+#: The most units a step may be cut into (EDGCConfig.max_units).
+MAX_UNITS = 1024
 
 #: The largest rank any config takes (max_rank, min_rank, a run's rank): above every
 #: matrix side of the presets (the widest: GPT-2's 50257-token embedding), and small
@@ -74,6 +79,7 @@ class EDGCConfig:
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "entropy_estimator": ESTIMATORS, "warmup": WARMUP_MODES, "warmup_error_norm": WARMUP_ERROR_NORMS,
         "sync_mode": SYNC_MODES, "wire": WIRE_FORMATS, "state_dtype": STATE_DTYPES,
+        "orthogonalization": ORTHOGONALIZATIONS,
     }
 
     policy: str = "noise"
@@ -195,6 +201,24 @@ class EDGCConfig:
     less overlap. 0 (the default): every bucket is a unit. Changes the average only through
     the float order of the sums, so a resumed run may change it. A finite number >= 0;
     "whole-step" ignores it."""
+
+    max_units: int = 4
+    """For sync_mode "pipelined": the most units a step is cut into. Consecutive DDP
+    buckets are merged, in order, into units that each hold at least 1/max_units of the
+    step's bytes on the wire (edgc.comm.step, "Coarse units"), so that the round launches
+    a few batched ops per matrix shape and unit, not per bucket: DDP's 25 MB buckets hold
+    less than one layer of a large model. Fewer units, fewer launches; more, more of the
+    sync overlapped with the backward pass. 0: no cap (every bucket a unit, or as
+    min_unit_mb merges them). Changes the average only through the float order of the
+    sums and of the batched arithmetic, so a resumed run may change it. An integer in
+    [0, 1024]; "whole-step" ignores it."""
+
+    orthogonalization: str = "cholesky"
+    """How P is orthonormalised (edgc.compress.orthogonalize_): "cholesky" (the default),
+    shifted Cholesky-QR2 in float64, a dozen batched ops per shape whatever the batch and
+    no host synchronisation; "householder", Householder QR (Gram-Schmidt at rank <= 2),
+    which on a GPU launches a solver call per matrix once they have more than a few hundred
+    rows. Both span the same columns; docs/method.md gives the bounds."""
 
     wire: str = "int8"
     """The format what a step sums travels in (edgc.comm.wire): the factors P and Q and
@@ -330,6 +354,8 @@ class EDGCConfig:
                 bad(name, f"must be an integer in [1, {most}]")
         if self.window < 1:
             bad("window", "must be a positive integer")
+        if not 0 <= self.max_units <= MAX_UNITS:
+            bad("max_units", f"must be an integer in [0, {MAX_UNITS}] (0: no cap)")
         for name in ("iteration_sample_rate", "gradient_sample_rate"):
             if not MIN_SAMPLE_RATE <= getattr(self, name) <= 1.0:
                 bad(name, f"must be in [{MIN_SAMPLE_RATE:g}, 1]")
@@ -420,7 +446,7 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
 #: Fields EDGCConfig gained after its saved form (a state's "config", a run's config.json)
 #: was first written, each with the value a config saved before it ran with: there a
 #: missing key means that value, not today's default (`with_added_fields`).
-ADDED_FIELDS: dict[str, Any] = {"long_rank_factor": 1.0}
+ADDED_FIELDS: dict[str, Any] = {"long_rank_factor": 1.0, "max_units": 0, "orthogonalization": "householder"}
 
 
 #: Fields removed since they were saved, with the value that behaves as today: a saved

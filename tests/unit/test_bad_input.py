@@ -37,7 +37,7 @@ ALLOWED = {
     # raw entropy means, a learning-rate floor of 0, no compression-rate threshold, every
     # bucket a unit
     *[(f, "0") for f in ("--lr-warmup-steps", "--activation-rank", "--seed", "--edgc-seed", "--edgc-warmup-steps",
-                         "--edgc-warmup-min-steps",
+                         "--edgc-warmup-min-steps", "--edgc-max-units",
                          "--max-restarts")],
     *[(f, "0") for f in ("--grad-clip", "--weight-decay", "--min-lr", "--edgc-cqm-smoothing",
                          "--edgc-min-compression-rate", "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept",

@@ -22,7 +22,8 @@ from edgc.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
-PARTS = ["cuda-tests", "ddp-nccl", "ddp-shared-gpu", "hsdp-nccl", "hook-vs-torch", "simulate-2.5b", "simulate-12.1b"]
+PARTS = ["round-cost-345m", "round-cost-2.5b", "cuda-tests", "ddp-nccl",  # (in the order they run)
+         "ddp-shared-gpu", "hsdp-nccl", "hook-vs-torch", "simulate-2.5b", "simulate-12.1b"]
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -101,8 +102,9 @@ def test_docs_list_its_parts_and_their_limits():
     assert documented == limits
 
 
-def _hook_vs_torch_parser() -> argparse.ArgumentParser:
-    spec = importlib.util.spec_from_file_location("hook_vs_torch", ROOT / "benchmarks" / "hook_vs_torch.py")
+def _benchmark_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of benchmarks/NAME.py."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -132,7 +134,11 @@ def test_every_command_it_runs_parses_with_todays_options(gpus, monkeypatch):
             else:
                 assert args.command == "simulate" and args.device == "cuda" and args.save_profile
         elif argv[1] == "benchmarks/hook_vs_torch.py":
-            assert _hook_vs_torch_parser().parse_args(argv[2:]).device == "cuda"
+            assert _benchmark_parser("hook_vs_torch").parse_args(argv[2:]).device == "cuda"
+        elif argv[1] == "benchmarks/round_cost.py":
+            args = _benchmark_parser("round_cost").parse_args(argv[2:])
+            assert args.device == "cuda" and args.json and (args.preset, args.dtype) in {
+                ("gpt2-345m", "float32"), ("gpt2-2.5b", "bf16")}, name
         else:
             assert argv[1:3] == ["-m", "pytest"] and name == "cuda-tests"
 
@@ -196,7 +202,8 @@ def test_parts_are_timed_logged_and_reported_whatever_each_does(tmp_path):
     assert rows["ddp-nccl"] == ("passed", "0") and rows["simulate-2.5b"] == ("passed", "0")
     assert rows["hook-vs-torch"] == ("**timed out after 5 s**", "124")
     assert rows["simulate-12.1b"] == ("**failed**", "3")
-    assert "**4 of 7 parts passed.**" in readme and "NVIDIA X100 80GB HBM9" in readme
+    assert rows["round-cost-345m"] == ("passed", "0") and rows["round-cost-2.5b"] == ("passed", "0")
+    assert "**6 of 9 parts passed.**" in readme and "NVIDIA X100 80GB HBM9" in readme
     # the commands as run, the results folder by its place in the repository
     assert "-m edgc train --device cuda --dtype bf16 --method edgc" in readme
     assert f"--save-profile benchmarks/results/x100-{day}/gpu-check/simulate/profile-paper-2.5b.json" in readme

@@ -89,7 +89,7 @@ def test_bad_factors_are_refused_by_name():
 def test_a_config_saved_before_the_field_runs_at_one_rank():
     saved = EDGCConfig().to_dict()
     del saved["long_rank_factor"]  # (as configs were saved before it)
-    assert ADDED_FIELDS == {"long_rank_factor": 1.0}
+    assert ADDED_FIELDS["long_rank_factor"] == 1.0
     assert EDGCConfig.from_dict(with_added_fields(saved)).long_rank_factor == 1.0
     assert EDGCConfig.from_dict(with_added_fields({**saved, "long_rank_factor": 3.0})).long_rank_factor == 3.0
     assert EDGCConfig().long_rank_factor == 2.0

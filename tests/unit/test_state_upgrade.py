@@ -52,9 +52,10 @@ def _steps(model: torch.nn.Module, state: EDGCState, start: int, n: int, lrs: li
     return ranks
 
 
-def _difference(a: Any, b: Any, where: str = "") -> str | None:
+def _difference(a: Any, b: Any, where: str = "", rel: float = 0.0) -> str | None:
     """Where `a` and `b` first differ, or None: tensors by torch.equal (and dtype), floats
-    with nan equal to nan, lists and tuples alike, tables key by key."""
+    with nan equal to nan (and within `rel` of each other), lists and tuples alike, tables
+    key by key."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and torch.equal(a, b))
@@ -63,7 +64,7 @@ def _difference(a: Any, b: Any, where: str = "") -> str | None:
         if a.keys() != b.keys():
             return f"{where or 'table'}: keys {sorted(a.keys() ^ b.keys())} in only one"
         for k in a:
-            found = _difference(a[k], b[k], f"{where}[{k!r}]")
+            found = _difference(a[k], b[k], f"{where}[{k!r}]", rel)
             if found:
                 return found
         return None
@@ -71,11 +72,13 @@ def _difference(a: Any, b: Any, where: str = "") -> str | None:
         if len(a) != len(b):
             return f"{where or 'list'}: {len(a)} items != {len(b)}"
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = _difference(x, y, f"{where}[{i}]")
+            found = _difference(x, y, f"{where}[{i}]", rel)
             if found:
                 return found
         return None
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return None
+    if rel and isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=rel):
         return None
     return None if a == b else f"{where or 'value'}: {a!r} != {b!r}"
 
@@ -129,8 +132,11 @@ def test_a_v1_state_resumes_exactly_as_edgc_0_1_did(one_process_group, monkeypat
     model, state, ranks = _resume(saved)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     assert weights.keys() == saved["weights_at_8"].keys()
+    # (to float tolerance, not bit for bit: since edgc 0.3 the round works on each shape's
+    # matrices as one batch and subtracts P Q^T from M inside the matmul, a rounding of its own)
     for k, expected in saved["weights_at_8"].items():
-        assert torch.equal(weights[k], expected), f"{case}: weight {k} differs from edgc 0.1's"
+        torch.testing.assert_close(weights[k], expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=k: f"{case}: weight {k} differs from edgc 0.1's: {m}")
     stats = dataclasses.asdict(state.stats())
     for name, expected in saved["stats_at_8"].items():
         if name in TIMING:
@@ -139,7 +145,7 @@ def test_a_v1_state_resumes_exactly_as_edgc_0_1_did(one_process_group, monkeypat
         if name == "bytes_sent":
             expected += 8 * len(controls)
         message = f"{case}: stats().{name} = {stats[name]!r}, edgc 0.1 had {expected!r}"
-        assert _difference(stats[name], expected) is None, message
+        assert _difference(stats[name], expected, rel=1e-6) is None, message
     assert ranks == saved["ranks"][STEPS_BEFORE:], case
 
 

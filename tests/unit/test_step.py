@@ -12,7 +12,8 @@ from edgc.comm.units import Group, coarse_units, slot_wire_bytes
 # slots 0-3: four (8, 6) matrices, one group; 4-5: two (5, 7); 6: a bias
 SHAPES = [(8, 6), (8, 6), (8, 6), (8, 6), (5, 7), (5, 7), (7,)]
 STATIC = dict(policy="static", max_rank=2, warmup_steps=1, min_compression_rate=1.0,
-              wire="native")  # (one all-reduce a buffer: the issue order below counts elements)
+              wire="native", max_units=0)  # (one all-reduce a buffer: the issue order below counts elements;
+# every bucket its own unit)
 
 
 def _params():

@@ -60,14 +60,16 @@ is then cut into the units the uninterrupted run used, and sums in the same floa
 Where DDP's buckets differ from the plan, a unit starts once all its slots have arrived,
 in plan order; the new layout becomes the plan from the next step on.
 
-Coarse units (EDGCConfig.min_unit_mb). Each all-reduce pays its latency whatever its size,
-and at low rank a bucket's P and Q are small, so a step of many buckets can spend more on
-latency than on bytes. With a threshold, the step's units are the plan's units merged, in
-plan order, until each puts at least min_unit_mb MB on the wire in this step
+Coarse units (EDGCConfig.max_units, min_unit_mb). Each all-reduce pays its latency
+whatever its size, each unit's round launches its batched ops once per shape, and at low
+rank a bucket's P and Q are small, so a step of many buckets can spend more on latency and
+launches than on bytes (DDP's 25 MB buckets hold less than one layer of a large model). So
+the step's units are the plan's units merged, in plan order, until each puts at least
+1/max_units of the step's bytes (and at least min_unit_mb MB) on the wire in this step
 (`coarse_units`, with each slot's bytes from `slot_wire_bytes`: (m + n) r elements for a
 compressed matrix at its group's rank, in the wire format, and every element of a tensor
-sent whole, at the gradient's element size). A remainder below the threshold at the end joins the unit
-before it, or is the step's one unit when there is no other. The cut depends only on the
+sent whole). A remainder below the threshold at the end joins the unit before it, or is
+the step's one unit when there is no other. The cut depends only on the
 plan, on the step's groups and ranks and on the threshold, all replica-identical, so
 every replica cuts alike; it is made afresh each step, as ranks move. The plan kept in
 the state stays DDP's layout: a resumed job cuts its first step as the uninterrupted run
@@ -76,13 +78,22 @@ sums). The price is overlap: a merged unit starts at its last bucket, so the byt
 buckets before it leave later. DDP's first step of a job, which has no plan yet, is not
 merged, and the whole-step mode, one unit already, ignores the threshold.
 
-Memory. A step keeps no copy of the gradient's matrices. Where the gradient is in the
-working dtype (float32, float64), M = G + error is written into the gradient itself, the
-bucket DDP hands over, whose values are replaced by the average anyway; for half-precision
-gradients M is recomputed from G and the error, one matrix at a time, into a workspace
-(edgc.comm.workspace) each time it is read (for P, for Q, at the end). The matrices of a
-part are worked on one by one: no temporary is larger than one matrix, and the workspace
-is emptied at the end of the step. The error feedback is one buffer, updated in place.
+The round on a device, and its memory. On a GPU a round costs launches more than flops,
+so it works on a unit's matrices of one shape (a part) as one batch: each stage is one
+batched op per part (M = G + error an add, P = M Q a bmm, the orthogonalisation a dozen
+(EDGCConfig.orthogonalization), Q = M^T P a bmm, the new error M - P Q^T a baddbmm that
+subtracts inside the matmul, the average P Q^T a bmm); the tensors sent whole leave and
+return by one cat and one multi-tensor copy; finiteness is one multi-tensor norm per wait,
+read at the step's end. The launches grow with units times shapes, not with matrices.
+A step keeps no copy of the gradient's matrices. A part whose matrices lie at one stride
+in one bucket (one per layer) is worked on where it lies, as one strided view
+(`strided_batch`), and where the gradient is in the working dtype (float32, float64) M =
+G + error is written into it, since the average replaces it anyway. Otherwise (matrices
+from several buckets, half-precision gradients) M is made afresh in the workspace
+(edgc.comm.workspace) each time it is read (for P, for Q, at the end) by one multi-tensor
+copy, and the average goes back by another. The workspace holds one part in the working
+dtype at a time and is emptied at the step's end; the error feedback is one buffer,
+updated in place.
 
 Non-finite gradients. When a unit finishes, a later unit of the same step may still turn
 out non-finite, and a host read per bucket would stall a GPU. So a compressed unit's
@@ -134,8 +145,11 @@ from edgc.comm.units import (
     coarse_units,
     factor_buffers,
     flatten_by_dtype,
+    put_matrices,
     scatter,
     slot_wire_bytes,
+    strided_batch,
+    take_matrices,
     working_dtype,
 )
 from edgc.comm.wire import WireFormat, wire_format
@@ -150,7 +164,8 @@ class _Part:
 
     plan: PartPlan
     grads: list[torch.Tensor]  # each matrix's gradient, (m, n) views of the buckets
-    errors: list[torch.Tensor] | None  # each matrix's error feedback, (m, n) views of the group's
+    batch: torch.Tensor | None  # (B', m, n) the same, one strided view of a bucket where they lie so; else None
+    errors: torch.Tensor | None  # (B', m, n) their error feedback: a view of the group's (scattered: a copy)
     in_place: bool  # the gradient is in the working dtype and holds M = G + error until the end
     q_in: torch.Tensor  # (B', n, r) the warm-start Q it projects on
     p: torch.Tensor | None = None  # (B', m, r) working dtype
@@ -214,6 +229,7 @@ class StepSync:
         self.next_q: dict[int, torch.Tensor] = {}  # group column -> its new Q
         self.ending: list[_Round] = []  # compressed rounds whose average waits for the step's end
         self.ok = torch.ones((), dtype=torch.bool, device=self.device)  # every sum so far finite
+        self.watched: list[torch.Tensor] = []  # the largest magnitudes of sums not yet folded into `ok`
         self.local_finite = torch.ones((), dtype=torch.bool, device=self.device)  # this replica's gradient
         # eager: the warm-up check's sums over the local gradient, buffer by buffer
         # (edgc.compress.lowrank_error_sums), and the averaged gradient's sample, taken as
@@ -237,9 +253,9 @@ class StepSync:
         plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
         whole = self.mode == "whole-step"
         self.units: list[tuple[int, ...]] = [] if (whole or not plan) else list(plan)
-        if self.units and config.min_unit_mb > 0:  # (see "Coarse units")
+        if self.units and (config.min_unit_mb > 0 or config.max_units > 0):  # (see "Coarse units")
             sizes = slot_wire_bytes(compression.slot_shapes, compression.slot_dtypes, groups, self.wire)
-            self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6)
+            self.units = coarse_units(self.units, sizes, config.min_unit_mb * 1e6, config.max_units)
         self.bucket_units = not whole and not plan  # the buckets are the units
         if info.want_sample or (eager and info.watch_average):
             offsets, dtype = compression.sample_layout(config.gradient_sample_rate)
@@ -306,8 +322,8 @@ class StepSync:
             control[ENTROPY:] /= self.collectives.control_size
         finite = self._commit() if info.compressed else True
         compression.workspace.clear()  # (its buffers are one matrix each, allocated again next step)
-        return StepResult(info, control, grads, finite, self.ok, self.step_comm, self.plain_lap, self.average,
-                          self.layout if len(self.layout) > 1 else None, self.bytes_uncompressed,
+        return StepResult(info, control, grads, finite, self._sums_finite(), self.step_comm, self.plain_lap,
+                          self.average, self.layout if len(self.layout) > 1 else None, self.bytes_uncompressed,
                           self.entropy_seconds)
 
     def fail(self, exc: BaseException) -> None:
@@ -387,8 +403,7 @@ class StepSync:
             r.p_flats, works, sends = _factor_buffers(r.parts, 0, self.device, self.wire)
             for part, p, send in zip(r.parts, works, sends, strict=True):
                 part.p, part.p_send = p, send
-                for i in range(len(part.grads)):
-                    _mm(self._m(part, i), part.q_in[i], p[i])
+                torch.bmm(self._m(part), part.q_in, out=p)  # P = M Q: (B', m, n) @ (B', n, r)
                 if send is not p:
                     send.copy_(p)  # (to the wire dtype)
         # collectives: sum of the unit's uncompressed tensors (numel elements), then of its
@@ -398,29 +413,36 @@ class StepSync:
         return r
 
     def _part(self, part: PartPlan) -> _Part:
-        """A unit's matrices of one group; where the gradient is in the working dtype, M =
-        G + error is written into it now (see "Memory")."""
+        """A unit's matrices of one group, as one batch where they lie at one stride in one
+        bucket; where the gradient is in the working dtype, M = G + error is written into it
+        now (see "Memory")."""
         g = part.group
-        work = working_dtype(g.dtype)
         grads = [self.grads[s].view(g.shape) for s in part.slots]
-        errors = None if g.error is None else [g.error[i] for i in part.positions]
-        in_place = g.dtype == work
-        if in_place and errors is not None:
-            for grad, error in zip(grads, errors, strict=True):
-                grad.add_(error, alpha=self.info.scale)  # (the residual is kept unscaled)
-        q_in = _take(g.q, part.index).to(work)  # (.to: Q kept in bf16 is worked on in the working dtype)
-        return _Part(part, grads, errors, in_place, q_in)
+        batch = strided_batch(grads)
+        errors = None if g.error is None else take_matrices(g.error, part.index)
+        in_place = g.dtype == working_dtype(g.dtype)
+        if in_place and errors is not None:  # (the residual is kept unscaled)
+            if batch is not None:
+                batch.add_(errors, alpha=self.info.scale)
+            else:
+                torch._foreach_add_(grads, list(errors.unbind(0)), alpha=self.info.scale)
+        q_in = take_matrices(g.q, part.index).to(working_dtype(g.dtype))  # (.to: Q kept in bf16, worked in float32)
+        return _Part(part, grads, batch, errors, in_place, q_in)
 
-    def _m(self, part: _Part, i: int) -> torch.Tensor:
-        """M = G + error of a part's i-th matrix, in the working dtype: the gradient itself
-        where M was written into it, else computed afresh into the workspace."""
-        if part.in_place:
-            return part.grads[i]
-        grad = part.grads[i]
-        m = self.compression.workspace.take("m", tuple(grad.shape), part.q_in.dtype, grad.device)
-        m.copy_(grad)
-        if part.errors is not None:
-            m.add_(part.errors[i], alpha=self.info.scale)
+    def _m(self, part: _Part) -> torch.Tensor:
+        """M = G + error of a part's matrices (B', m, n), in the working dtype: the gradient
+        itself where M was written into it and the matrices form one batch, else gathered
+        afresh into the workspace (see "Memory")."""
+        if part.in_place and part.batch is not None:
+            return part.batch
+        b, (rows, cols) = len(part.grads), part.plan.group.shape
+        m = self.compression.workspace.take("m", (b, rows, cols), part.q_in.dtype, part.q_in.device)
+        if part.batch is not None:
+            m.copy_(part.batch)
+        else:
+            torch._foreach_copy_(list(m.unbind(0)), part.grads)
+        if part.errors is not None and not part.in_place:
+            m.add_(part.errors, alpha=self.info.scale)
         return m
 
     def _sum(self, flat: torch.Tensor) -> Issued:
@@ -428,22 +450,32 @@ class StepSync:
         the wire format: quantized, rounded to bf16, or as it is."""
         return self.collectives.sum_in(flat, self.wire)
 
+    def _watch(self, flats: list[torch.Tensor]) -> None:
+        """Note summed buffers' largest magnitudes, on the device, for `_sums_finite`."""
+        if flats:
+            self.watched.extend(torch._foreach_norm(flats, float("inf")))
+
+    def _sums_finite(self) -> torch.Tensor:
+        """The device flag: every sum watched so far was finite."""
+        if self.watched:
+            self.ok = self.ok & torch.stack(self.watched).isfinite().all()
+            self.watched = []
+        return self.ok
+
     def _finish_p(self, r: _Round) -> None:
         """Wait for a unit's P; orthogonalise it, project Q and issue Q's all-reduce."""
         self.collectives.wait(r.works, self.step_comm)
-        for flat in [*(f for f, _ in r.flats), *r.p_flats]:
-            self.ok &= torch.isfinite(flat).all()  # (on the device: read once, at the commit)
+        self._watch([*(f for f, _ in r.flats), *r.p_flats])
         for part in r.parts:
             assert part.p is not None and part.p_send is not None  # (set by _start)
             if part.p_send is not part.p:
                 part.p.copy_(part.p_send)  # the sum, as it arrived
-            orthogonalize_(part.p)
+            orthogonalize_(part.p, self.config.orthogonalization)
         r.q_flats, works, sends = _factor_buffers(r.parts, 1, self.device, self.wire)
         for part, q, send in zip(r.parts, works, sends, strict=True):
             part.q, part.q_send = q, send
             assert part.p is not None
-            for i in range(len(part.grads)):
-                _mm(self._m(part, i).T, part.p[i], q[i])
+            torch.bmm(self._m(part).mT, part.p, out=q)  # Q = M^T P: (B', n, m) @ (B', m, r)
             if send is not q:
                 send.copy_(q)
         # collectives: all-reduce SUM of the unit's Q ((n*r) per matrix), one buffer per dtype
@@ -459,50 +491,57 @@ class StepSync:
         info, world = self.info, self.collectives.world_size
         self.collectives.wait(r.works, self.step_comm)
         if (info.compressed or info.watch_average) and not r.parts:
-            for flat in [*(f for f, _ in r.flats), *r.p_flats]:
-                self.ok &= torch.isfinite(flat).all()
+            self._watch([*(f for f, _ in r.flats), *r.p_flats])
         for part in r.parts:
             assert part.q is not None and part.q_send is not None  # (set by _finish_p)
             if part.q_send is not part.q:
                 part.q.copy_(part.q_send)
-            part.q.div_(world)
+            if world > 1:
+                part.q.div_(world)
             column = part.plan.column
             if column not in self.next_q:
                 self.next_q[column] = torch.empty_like(part.plan.group.q)
-            _put(self.next_q[column], part.plan.index, part.q)
-        for flat, slots in r.flats:
-            flat.div_(world)
-            scatter(flat, [self.grads[s] for s in slots], self.align)
+            put_matrices(self.next_q[column], part.plan.index, part.q)
+        if r.flats:
+            flats = [f for f, _ in r.flats]
+            if world > 1:
+                torch._foreach_div_(flats, world)
+            scatter(flats, [[self.grads[s] for s in slots] for _, slots in r.flats], self.align)
         if r.parts and self.mode != "eager":
             self.ending.append(r)
-        else:
-            self._end(r, self.ok)
+        else:  # (eager: kept where every sum so far was finite, decided on the device)
+            self._end(r, self._sums_finite() if r.parts else True)
 
     def _end(self, r: _Round, keep: bool | torch.Tensor) -> None:
         """A unit's compressed matrices: the new error feedback M - P Q^T where `keep` (a
         host bool, or eager a device flag), and the average P Q^T into the gradient; then
         hand back the buckets it completes."""
-        ws = self.compression.workspace
         for part in r.parts:
             p, q = part.p, part.q
             assert p is not None and q is not None
-            for i, grad in enumerate(part.grads):
-                m = self._m(part, i)  # (in place: the gradient)
-                m_hat = _mm(p[i], q[i].T, ws.take("m_hat", tuple(m.shape), m.dtype, m.device))
-                if part.errors is not None and keep is not False:
-                    error = part.errors[i]
-                    if keep is True and error.dtype == m.dtype:
-                        torch.sub(m, m_hat, out=error)
-                        if self.info.scale != 1.0:
-                            error.div_(self.info.scale)
-                    else:  # (M is the gradient's or the workspace's, and not read again)
-                        m.sub_(m_hat)
-                        if self.info.scale != 1.0:
-                            m.div_(self.info.scale)
-                        if keep is not True:
-                            torch.where(keep, m, error, out=m)
-                        error.copy_(m)
-                grad.copy_(m_hat)
+            m = self._m(part)  # (B', m, n): the gradient itself, or the workspace's
+            errors = part.errors
+            if errors is not None and keep is not False:
+                view = isinstance(part.plan.index, slice)  # (errors is the group's own buffer, not a copy)
+                if keep is True and errors.dtype == m.dtype and view and self.info.scale == 1.0:
+                    torch.baddbmm(m, p, q.mT, alpha=-1, out=errors)  # error = M - P Q^T
+                else:  # (M is the gradient's or the workspace's, and not read again)
+                    m.baddbmm_(p, q.mT, alpha=-1)
+                    if self.info.scale != 1.0:
+                        m.div_(self.info.scale)
+                    if keep is not True:
+                        torch.where(keep, m, errors, out=m)
+                    assert part.plan.group.error is not None  # (errors is part of it)
+                    put_matrices(part.plan.group.error, part.plan.index, m)
+            # the average P Q^T: (B', m, r) @ (B', r, n), into the gradient
+            if part.in_place and part.batch is not None:
+                torch.bmm(p, q.mT, out=part.batch)
+            else:
+                torch.bmm(p, q.mT, out=m)
+                if part.batch is not None:
+                    part.batch.copy_(m)
+                else:
+                    torch._foreach_copy_(part.grads, list(m.unbind(0)))
         if self.average is not None:
             rate = self.config.gradient_sample_rate
             for s in r.plan.slots:
@@ -536,35 +575,21 @@ class StepSync:
     def _commit(self) -> bool:
         """Write the compressed rounds' averages, and keep the step's new error feedback
         and Q if every sum was finite; returns whether it was. One host read: that flag
-        and each group's count of all-zero Q."""
-        dead = [self.next_q[c].flatten(1).abs().amax(dim=1) == 0 for c in range(len(self.groups))]
-        flags = torch.stack([self.ok.long(), *(d.sum() for d in dead)]).tolist()
+        and which Q matrices are all zero."""
+        dead = [torch.linalg.vector_norm(self.next_q[c], float("inf"), dim=(1, 2)) == 0
+                for c in range(len(self.groups))]  # (B,) per group
+        flags = torch.cat([self._sums_finite().reshape(1), *dead]).tolist()
         for r in self.ending:
             self._end(r, bool(flags[0]))
         self.ending = []
         if not flags[0]:
             return False
-        self.compression.commit(self.next_q, dead, flags[1:])
+        counts, at = [], 1
+        for d in dead:
+            counts.append(sum(flags[at : at + len(d)]))
+            at += len(d)
+        self.compression.commit(self.next_q, dead, counts)
         return True
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = a @ b for one matrix, as a batch of one (torch.bmm): the same float results
-    whatever the batch the matrix is worked on in, and as edgc's batched steps gave."""
-    return torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out=out.unsqueeze(0))[0]
-
-
-def _take(t: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
-    """t[index] along the group's matrices: a view for a slice, a copy for an index tensor."""
-    return t[index] if isinstance(index, slice) else t.index_select(0, index)
-
-
-def _put(into: torch.Tensor, index: slice | torch.Tensor, values: torch.Tensor) -> None:
-    """into[index] = values, in `into`'s dtype (bf16 state: rounded here)."""
-    if isinstance(index, slice):
-        into[index] = values
-    else:
-        into.index_copy_(0, index, values.to(into.dtype))
 
 
 def _factor_buffers(parts: list[_Part], side: int, device: torch.device | None, wire: WireFormat

@@ -19,7 +19,7 @@ import torch
 from edgc.comm.wire import WireFormat, wire_format, working_dtype
 
 __all__ = ["Group", "UnitPlan", "coarse_units", "dtype_order", "factor_buffers", "flatten_by_dtype", "scatter",
-           "slot_wire_bytes", "unit_plan", "working_dtype"]
+           "put_matrices", "slot_wire_bytes", "strided_batch", "take_matrices", "unit_plan", "working_dtype"]
 
 
 
@@ -62,14 +62,20 @@ def flatten_by_dtype(tensors: Any, order: Sequence[int], align: int = 1) -> list
     return flats
 
 
-def scatter(flat: torch.Tensor, outs: list[torch.Tensor], align: int = 1) -> None:
-    """Copy consecutive pieces of `flat` into the tensors `outs` (each piece starting at a
-    multiple of `align` elements, as flatten_by_dtype lays them out)."""
-    offset = 0
-    for t in outs:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n + (-n % align)
+def scatter(flats: Sequence[torch.Tensor], outs: Sequence[Sequence[torch.Tensor]], align: int = 1) -> None:
+    """Copy consecutive pieces of each buffer of `flats` into its tensors in `outs` (each
+    piece starting at a multiple of `align` elements, as flatten_by_dtype lays them out),
+    all in one multi-tensor copy."""
+    dst, src = [], []
+    for flat, ts in zip(flats, outs, strict=True):
+        offset = 0
+        for t in ts:
+            n = t.numel()
+            dst.append(t)
+            src.append(flat[offset : offset + n].view(t.shape))
+            offset += n + (-n % align)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
@@ -88,11 +94,15 @@ def slot_wire_bytes(slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequenc
     return sizes
 
 
-def coarse_units(units: Sequence[tuple[int, ...]], sizes: Sequence[int], min_bytes: float) -> list[tuple[int, ...]]:
+def coarse_units(units: Sequence[tuple[int, ...]], sizes: Sequence[int], min_bytes: float,
+                 max_units: int = 0) -> list[tuple[int, ...]]:
     """`units` with consecutive ones merged, in order, until each merged unit's slots hold
-    at least `min_bytes` of `sizes` (bytes per slot); a remainder below it at the end joins
-    the unit before it, or is the only unit when there is none. min_bytes 0 gives `units`
-    unchanged. Changes nothing."""
+    at least `min_bytes` of `sizes` (bytes per slot), and with `max_units` > 0 at least
+    1/max_units of all of them, so that there are at most max_units; a remainder below it
+    at the end joins the unit before it, or is the only unit when there is none. min_bytes
+    and max_units 0 give `units` unchanged. Changes nothing."""
+    if max_units > 0:
+        min_bytes = max(min_bytes, sum(sizes[s] for unit in units for s in unit) / max_units)
     out: list[tuple[int, ...]] = []
     run: tuple[int, ...] = ()
     held = 0
@@ -180,7 +190,37 @@ def factor_buffers(groups: Sequence[Group], shapes: Sequence[tuple[int, int, int
             sent[i] = view.view(b, r, c)[:, :, :rows].transpose(1, 2) if quantized else view.view(shapes[i])
         flats.append(flat)
     sends = [sent[i] for i in range(len(groups))]
-    works = [send if working_dtype(g.dtype) == send.dtype and not quantized
+    works = [send if working_dtype(g.dtype) == send.dtype
              else torch.empty(send.shape, dtype=working_dtype(g.dtype), device=device)
              for g, send in zip(groups, sends, strict=True)]
     return flats, works, sends
+
+
+def strided_batch(mats: list[torch.Tensor]) -> torch.Tensor | None:
+    """The matrices `mats` (each (m, n), contiguous) as one (B, m, n) view, where they lie in
+    one buffer at one stride (a bucket's matrices of one shape, one per layer, do); else None."""
+    first = mats[0]
+    if len(mats) == 1:
+        return first.unsqueeze(0)
+    storage, size = first.untyped_storage().data_ptr(), first.element_size()
+    starts = [t.data_ptr() for t in mats]
+    stride = starts[1] - starts[0]
+    if (stride <= 0 or stride % size or any(t.untyped_storage().data_ptr() != storage for t in mats)
+            or any(b - a != stride for a, b in zip(starts, starts[1:], strict=False))
+            or stride // size < first.numel()):
+        return None
+    m, n = first.shape
+    return first.as_strided((len(mats), m, n), (stride // size, n, 1))
+
+
+def take_matrices(t: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """t[index] along the group's matrices: a view for a slice, a copy for an index tensor."""
+    return t[index] if isinstance(index, slice) else t.index_select(0, index)
+
+
+def put_matrices(into: torch.Tensor, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+    """into[index] = values, in `into`'s dtype (bf16 state: rounded here)."""
+    if isinstance(index, slice):
+        into[index] = values
+    else:
+        into.index_copy_(0, index, values.to(into.dtype))

@@ -2,6 +2,9 @@
 
 from edgc.compress.lowrank import (
     LONG_ASPECT,
+    ORTHOGONALIZATIONS,
+    cholesky_qr2_,
+    cholesky_shift,
     compressible,
     draw_q,
     error_feedback_,
@@ -19,6 +22,9 @@ from edgc.compress.lowrank import (
 
 __all__ = [
     "LONG_ASPECT",
+    "ORTHOGONALIZATIONS",
+    "cholesky_qr2_",
+    "cholesky_shift",
     "compressible",
     "draw_q",
     "error_feedback_",

@@ -123,13 +123,14 @@ def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, ov
 
 
 # options a resumed run may change (TrainConfig fields, and "edgc.FIELD" for an EDGCConfig
-# field); every other one must match its checkpoint's. edgc.min_unit_mb changes only how
-# the gradient is cut into units, so only the float order of the sums; compile, device and
+# field); every other one must match its checkpoint's. edgc.min_unit_mb and edgc.max_units
+# change only how the gradient is cut into units, so only the float order of the sums; compile, device and
 # emulated_device_ms change how the same maths runs; nproc, dp and dp_replicate, the number of replicas
 # (edgc.train.common.restore_resized).
 RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints",
                      "max_restarts", "max_nonfinite_steps", "progress", "log", "data", "data_cache", "device", "nproc",
-                     "dp", "dp_replicate", "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb")
+                     "dp", "dp_replicate", "emulated_device_ms", "compile", "trust_checkpoint", "edgc.min_unit_mb",
+                     "edgc.max_units")
 
 
 def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
