@@ -1,7 +1,10 @@
 """The CUDA path: run where a GPU is present (marked `cuda`; skipped without one, as in CI).
 
 Two processes share one GPU over gloo (which carries CUDA tensors); NCCL, which needs a GPU
-per process, is used when there are two.
+per process, is used when there are two. The tests through `edgc train` need the `train`
+extra (its tokenizers); without it they are skipped with a reason that names it, which
+scripts/gpu-check.sh accepts, so that on a machine with torch alone the hook's CUDA path is
+still checked.
 """
 
 import json
@@ -15,10 +18,17 @@ import torch
 import workers
 from harness import run_workers
 
+from edgc.extras import missing_modules
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+#: the tests through `edgc train`, which tokenizes its corpus
+needs_train_extra = pytest.mark.skipif(
+    bool(missing_modules("train")),
+    reason=f"needs the train extra (pip install 'edgc[train]'; missing: {', '.join(missing_modules('train'))})")
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "whole-step"])
@@ -32,6 +42,7 @@ def test_hook_on_cuda_bf16_replicas_identical_and_timed(mode):
     assert a["stats"].comm_seconds > 0 and math.isfinite(a["stats"].compress_seconds)
 
 
+@needs_train_extra
 def test_edgc_train_on_cuda_with_bf16(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "edgc", "train", "--device", "cuda", "--dtype", "bf16", "--nproc", "2",
@@ -46,6 +57,7 @@ def test_edgc_train_on_cuda_with_bf16(tmp_path):
     assert train[-1]["phase"] == "compress" and all(math.isfinite(r["loss"]) for r in train)
 
 
+@needs_train_extra
 @pytest.mark.parametrize("method", ["none", "edgc"])
 def test_hsdp_through_the_cli_on_cuda_with_bf16(tmp_path, method):
     # one GPU: a 1 x 1 mesh over NCCL, so FSDP2, the hook's streams and the eager core run on

@@ -87,3 +87,15 @@ def test_a_bucket_of_whole_layers_is_worked_on_where_it_lies():
     _, _, _, gathered = _steps(8, 3, 1, max_units=1)
     assert whole == 0
     assert gathered == 8 * 24 * 8 * 8  # (the largest part: eight (24, 8) float64 matrices)
+
+
+def test_both_orthogonalizations_give_the_same_average_step_after_step():
+    # P's orthonormal basis differs between the two by a rotation of its columns, which the
+    # round undoes: P Q^T = P P^T M is the same projection, and the warm start carries the
+    # rotation along; so in float64 the averages agree to rounding over several steps
+    # (rank 4: at rank 2 "householder" is Gram-Schmidt)
+    _, chol, by_cholesky, _ = _steps(4, 5, 1, max_rank=4, orthogonalization="cholesky")
+    _, house, by_householder, _ = _steps(4, 5, 1, max_rank=4, orthogonalization="householder")
+    assert chol.ops["linalg_cholesky_ex"] > 0 and house.ops["linalg_qr"] > 0
+    for s, grad in by_householder.items():
+        torch.testing.assert_close(by_cholesky[s], grad, rtol=1e-9, atol=1e-10)

@@ -132,7 +132,7 @@ def test_a_v1_state_resumes_exactly_as_edgc_0_1_did(one_process_group, monkeypat
     model, state, ranks = _resume(saved)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     assert weights.keys() == saved["weights_at_8"].keys()
-    # (to float tolerance, not bit for bit: since edgc 0.3 the round works on each shape's
+    # (to float tolerance, not bit for bit: since edgc 0.2.0 the round works on each shape's
     # matrices as one batch and subtracts P Q^T from M inside the matmul, a rounding of its own)
     for k, expected in saved["weights_at_8"].items():
         torch.testing.assert_close(weights[k], expected, rtol=1e-5, atol=1e-6,

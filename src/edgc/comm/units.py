@@ -3,8 +3,11 @@
 A `Group` is the compressed matrices of one shape and dtype, batched into one bmm, with
 their warm-start Q and error feedback. A unit is a set of parameter slots; its
 `UnitPlan` says which of its tensors travel whole and which group's matrices it
-compresses. `coarse_units` merges small units (EDGCConfig.min_unit_mb), and
-`flatten_by_dtype` and `scatter` pack tensors into the flat buffers that travel.
+compresses. `coarse_units` merges units (EDGCConfig.max_units, min_unit_mb), and
+`flatten_by_dtype` and `scatter` pack tensors into the flat buffers that travel and back.
+`strided_batch` views a unit's matrices of one shape where they lie in a bucket, as one
+batch; `take_matrices` and `put_matrices` read and write a unit's share of a group's Q and
+error feedback.
 """
 
 from __future__ import annotations
