@@ -67,7 +67,7 @@ def test_cluster_gpu_field():
 
 
 def test_op_seconds_is_max_of_compute_and_memory_plus_launches():
-    gpu = GPUSpec(name="G", aliases=(), fp32_flops=10e12, half_flops=100e12, half_dtype="bfloat16",
+    gpu = GPUSpec(name="G", aliases=(), fp32_flops=10e12, half_flops=100e12, fp64_flops=5e12, half_dtype="bfloat16",
                   hbm_bandwidth=1e12, launch_latency=5e-6, source="hand")
     model = RooflineModel(gpu=gpu, matmul_efficiency=0.5, bandwidth_efficiency=0.5)
     assert model.peak_matmul_flops == 10e12  # the tensor-core peak is not used for fp32 arithmetic
@@ -83,38 +83,49 @@ def test_op_seconds_is_max_of_compute_and_memory_plus_launches():
 
 def test_lowrank_round_hand_computed_on_v100():
     # B = 3 matrices of (1024, 512) at r = 8, fp16 gradients compressed in float32 as the hook
-    # does: every op is memory-bound on a V100 (720 GB/s; fp32 matmuls at 10.2 TFLOP/s)
+    # does, over min(4 units, 3) = 3 batches: every op is memory-bound on a V100 (720 GB/s;
+    # fp32 matmuls at 10.2 TFLOP/s, fp64 at 5.1)
     model = RooflineModel(gpu=V100)
     assert (model.grad_dtype, model.dtype, model.matmul_flops) == ("float16", "float32", 0.65 * 15.7e12)
     ops = model.lowrank_ops(1024, 512, 8, 3)
     by_name = {op.name: op for op in ops}
     assert by_name["P = M Q"].flops == 2 * 3 * 1024 * 512 * 8
-    assert by_name["orthogonalise P (Householder QR)"].flops == pytest.approx(3 * (4 * 1024 * 64 - 4 * 512 / 3))
+    assert by_name["orthogonalise: Gram matrices P^T P (x2)"].flops == 2 * 2 * 3 * 1024 * 8 * 8
+    mn, x = 3 * 1024 * 512, 3 * 1024 * 8  # gradient elements, P's elements
     nbytes = [
-        15_728_640,  # gather: stack 2·B·m·n·2, then to float32 B·m·n·(2 + 4)
-        18_874_368,  # M += E: 3·B·m·n·4
-        6_438_912,  # P = MQ: B·(mn + nr + mr)·4
-        294_912,  # P to fp16 and back: 2·B·m·r·(4 + 2)
-        589_824,  # QR: B·6·m·r·4
-        6_438_912,  # Q = MᵀP
-        245_760,  # Q to fp16 and back 2·B·n·r·6, Q /= N 2·B·n·r·4
-        6_438_912,  # P Qᵀ
-        9_437_184,  # scatter: B·m·n·(4 + 2)
-        18_874_368,  # E = M − M̂
-        147_456,  # keep Q: 3·B·n·r·4
+        3 * mn * (2 * 2 + 3 * 4),  # M made three times: read G (2) and E (2), write M, add into it (3·4)
+        3 * (1024 * 512 + 512 * 8 + 1024 * 8) * 4,  # P = MQ
+        2 * x * (4 + 2),  # P to fp16 and back
+        2 * x * (4 + 8),  # P to float64 and back
+        3 * x * 8,  # unit columns
+        2 * (x + 3 * 64) * 8,  # two Gram matrices
+        2 * 2 * 3 * 64 * 8,  # two shifts and Cholesky factors
+        2 * 2 * x * 8,  # two triangular solves
+        3 * (1024 * 512 + 1024 * 8 + 512 * 8) * 4,  # Q = MᵀP
+        2 * 3 * 512 * 8 * 6 + 2 * 3 * 512 * 8 * 4,  # Q to fp16 and back, Q /= N
+        3 * 3 * 512 * 8 * 4,  # keep Q
+        3 * (1024 * 8 + 512 * 8) * 4 + mn * (4 + 2),  # E = M − P Qᵀ: read M, write E (fp16)
+        3 * (1024 * 8 + 512 * 8) * 4 + mn * (2 * 4 + 2),  # P Qᵀ into the workspace, then the buckets
     ]
     assert [op.bytes for op in ops] == nbytes
-    qr_launches = 6 + 3 * (3.5 + 0.75 * 8) + 1  # per call, per matrix, per column; copy back
-    launches = 2 + 1 + 1 + 2 + qr_launches + 1 + 3 + 1 + 3 + 1 + 6  # scatter: one copy per matrix
+    # per unit: M made 3x (copy, add), P, its casts, Cholesky-QR2's 13, Q, its casts and /N,
+    # keep Q, E, the average and its copy out; per shape the dead-Q check's 2
+    launches = 3 * (6 + 1 + 2 + 13 + 1 + 3 + 1 + 1 + 2) + 2
     assert sum(op.launches for op in ops) == launches
     expected = sum(nbytes) / V100_BW + launches * LAT
     assert model.lowrank(1024, 512, [8], 3) == {8: pytest.approx(expected, rel=1e-12)}
-    # rank clipped as the hook does; no error feedback: two ops fewer
-    assert model.lowrank_ops(1024, 4, 8, 1)[2].flops == 2 * 1024 * 4 * 4
-    assert len(RooflineModel(gpu=V100, error_feedback=False).lowrank_ops(1024, 512, 8, 3)) == len(ops) - 2
-    # fp32 gradients: no conversions, the same arithmetic
+    # rank clipped as the hook does; no error feedback: one op fewer, and M made without E
+    assert model.lowrank_ops(1024, 4, 8, 1)[1].flops == 2 * 1024 * 4 * 4
+    assert len(RooflineModel(gpu=V100, error_feedback=False).lowrank_ops(1024, 512, 8, 3)) == len(ops) - 1
+    # fp32 gradients: E added into the gradient, M gathered for each read, no casts
     fp32 = RooflineModel(gpu=V100, element_bytes=4).lowrank_ops(1024, 512, 8, 3)
-    assert len(fp32) == len(ops) - 1 and fp32[0].bytes == 2 * 3 * 1024 * 512 * 4
+    assert [op.name for op in fp32[:2]] == ["error feedback in (G += E)", "gather M into the workspace (x3)"]
+    assert len(fp32) == len(ops) and fp32[0].bytes == 3 * mn * 4 and fp32[1].bytes == 3 * 2 * mn * 4
+    # one unit: every op launched once for the whole batch
+    one = RooflineModel(gpu=V100, units=1).lowrank_ops(1024, 512, 8, 3)
+    assert sum(op.launches for op in one) == (6 + 1 + 2 + 13 + 1 + 3 + 1 + 1 + 2) + 2
+    with pytest.raises(ValueError, match="orthogonalization"):
+        RooflineModel(gpu=V100, orthogonalization="qr")
 
 
 def test_working_dtype_is_the_hooks():
@@ -126,7 +137,7 @@ def test_working_dtype_is_the_hooks():
 
 
 def test_orthogonalisation_paths_and_the_qr_fit():
-    model = RooflineModel(gpu=V100)
+    model = RooflineModel(gpu=V100, orthogonalization="householder")
     (gs,) = model.orthogonalize_ops(1024, 2, 3)  # r <= 2: Gram-Schmidt, one batch-wide loop
     assert gs.name == "orthogonalise P (Gram-Schmidt)" and gs.launches == 6 * 2 - 3
     assert gs.flops == 2 * 3 * 1024 * 2 * 2  # 2·B·m·r²

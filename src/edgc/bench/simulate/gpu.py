@@ -6,26 +6,27 @@ Every operation of a PowerSGD round and of the GDS entropy estimate is written d
     seconds = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + launches · latency
 
 with achievable = a stated fraction of the vendor's peak (`MATMUL_EFFICIENCY`,
-`HBM_EFFICIENCY`). The operations are those `edgc.comm.hook` runs in the compress phase on
-a batch of B same-shape (m, n) gradient matrices (the hook batches same-shape matrices of
-all buckets into one bmm) at rank r. Gradients and the wire use g bytes per element; the
-arithmetic runs in the hook's working dtype of w bytes (float32 for fp16/bf16 gradients,
-`working_bytes`):
+`HBM_EFFICIENCY`). The operations are those edgc.comm.step runs in the compress phase on
+B same-shape (m, n) gradient matrices at rank r, split over `units` units a step
+(EDGCConfig.max_units), each unit one batch that launches every op once. Gradients and the
+wire use g bytes per element; the arithmetic runs in the working dtype of w bytes (float32
+for fp16/bf16 gradients, `working_bytes`); the error feedback is kept in g bytes. The matrices
+of a unit are costed as gathered from several DDP buckets (a unit of four spans many 25 MB
+buckets), an upper bound where a unit is one bucket and the round reads them where they lie:
 
-1. gather: torch.stack of the B gradients, then .to(working dtype)
-                                               B·m·n·(2g + g + w) bytes, 2 launches (1 if w = g)
-2. error feedback in: M += E                                    3·B·m·n·w bytes, 1 launch
-3. P = M Q (bmm)                      2·B·m·n·r flops, B·(mn + nr + mr)·w bytes, 1 launch
-4. P to the wire dtype and back (around its all-reduce, when w ≠ g)
+1. M = G + E: float32 gradients, E added into the gradient (3·B·m·n·w bytes), then M
+   gathered into the workspace for each of its three reads (B·m·n·2w each); half gradients,
+   M made afresh for each read from G and E (B·m·n·(2g + 3w) each)     1 or 2 launches a read
+2. P = M Q (bmm)                      2·B·m·n·r flops, B·(mn + nr + mr)·w bytes, 1 launch
+3. P to the wire dtype and back (around its all-reduce, when w ≠ g)
                                                          2·B·m·r·(w + g) bytes, 2 launches
-5. orthogonalise P (B, m, r): see `RooflineModel.orthogonalize_ops`
-6. Q = Mᵀ P (bmm)                     2·B·m·n·r flops, B·(mn + mr + nr)·w bytes, 1 launch
-7. Q to the wire dtype and back, then Q /= N      2·B·n·r·(w + g) + 2·B·n·r·w bytes, 3 launches
-8. reconstruct M̂ = P Qᵀ (bmm)         2·B·m·n·r flops, B·(mr + nr + mn)·w bytes, 1 launch
-9. scatter: copy M̂ back into the B gradients              B·m·n·(w + g) bytes, B launches
-10. error feedback out: E = M − M̂                                3·B·m·n·w bytes, 1 launch
-11. keep Q and check it for all-zero matrices (clone, abs, amax, ==, any, bool)
-                                                                 3·B·n·r·w bytes, 6 launches
+4. orthogonalise P (B, m, r): see `RooflineModel.orthogonalize_ops` (EDGCConfig.orthogonalization)
+5. Q = Mᵀ P (bmm)                     2·B·m·n·r flops, B·(mn + mr + nr)·w bytes, 1 launch
+6. Q to the wire dtype and back, then Q /= N      2·B·n·r·(w + g) + 2·B·n·r·w bytes, 3 launches
+7. keep Q (a copy), and per shape the dead-Q check (norm, ==)   3·B·n·r·w bytes, 1 + 2 launches
+8. E = M − P Qᵀ in one baddbmm        2·B·m·n·r flops, B·m·n·(w + g) bytes, 1 launch
+9. the average P Qᵀ into the workspace (bmm), then into the buckets (one multi-tensor copy)
+                                      2·B·m·n·r flops, B·m·n·(2w + g) bytes, 2 launches
 
 Honest limits of the model, also printed by the report:
 
@@ -34,7 +35,10 @@ Honest limits of the model, also printed by the report:
   default float32 matmul precision does not use TF32), the tensor-core rate for half; at
   r ≤ 64 these skinny matmuls sit near the ridge point, so bandwidth often decides them;
 - the Householder QR's launch count is an estimate fitted to public timings of
-  torch.linalg.qr (see `orthogonalize_ops`), not a count of cuSOLVER's kernels;
+  torch.linalg.qr (see `orthogonalize_ops`), not a count of cuSOLVER's kernels; Cholesky-QR2's
+  is its ops counted (13), each taken as one kernel;
+- a multi-tensor op (the gathers and scatters) is costed as one launch: torch's
+  multi_tensor_apply packs up to a few dozen tensors a launch;
 - traffic that would stay in L2 (P inside the Gram-Schmidt loop) is counted at HBM
   bandwidth: an upper bound;
 - no overlap between operations, and none with the backward pass.
@@ -48,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgc.bench.simulate.costs import DDP_BUCKET_BYTES, EntropyCost
+from edgc.config import ORTHOGONALIZATIONS
 from edgc.entropy import ESTIMATORS, sample_stride
 
 logger = logging.getLogger(__name__)
@@ -118,6 +123,9 @@ class GPUSpec:
     """Peak dense tensor-core FLOP/s in `half_dtype` (fp32 accumulate), sparsity excluded."""
     half_dtype: str
     """What a 2-byte gradient is on this GPU: "float16" (no bf16 support) or "bfloat16"."""
+    fp64_flops: float
+    """Peak dense FP64 FLOP/s, with FP64 tensor cores where the GPU has them (cuBLAS uses
+    them for DGEMM): the Cholesky-QR2 of P runs in float64."""
     hbm_bandwidth: float
     """Peak HBM bandwidth, bytes/s."""
     launch_latency: float = LAUNCH_LATENCY_S
@@ -130,24 +138,27 @@ GPUS: dict[str, GPUSpec] = {
     spec.name: spec
     for spec in (
         # NVIDIA Tesla V100 GPU datasheet (2020), V100 SXM2 column: single precision 15.7
-        # TFLOPS, tensor performance 125 TFLOPS (fp16 multiply, fp32 accumulate), HBM2
-        # 900 GB/s. No bf16.
-        GPUSpec(name="V100-SXM2", aliases=("V100",), fp32_flops=15.7e12, half_flops=125e12,
+        # TFLOPS, double precision 7.8, tensor performance 125 TFLOPS (fp16 multiply, fp32
+        # accumulate), HBM2 900 GB/s. No bf16.
+        GPUSpec(name="V100-SXM2", aliases=("V100",), fp32_flops=15.7e12, half_flops=125e12, fp64_flops=7.8e12,
                 half_dtype="float16", hbm_bandwidth=900e9,
                 source="NVIDIA Tesla V100 datasheet, SXM2"),
         # NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM column: FP32 19.5
-        # TFLOPS, BF16/FP16 tensor core 312 TFLOPS dense (624 with sparsity), HBM2e 2,039 GB/s.
-        GPUSpec(name="A100-SXM4", aliases=("A100",), fp32_flops=19.5e12, half_flops=312e12,
+        # TFLOPS, FP64 tensor core 19.5, BF16/FP16 tensor core 312 TFLOPS dense (624 with
+        # sparsity), HBM2e 2,039 GB/s.
+        GPUSpec(name="A100-SXM4", aliases=("A100",), fp32_flops=19.5e12, half_flops=312e12, fp64_flops=19.5e12,
                 half_dtype="bfloat16", hbm_bandwidth=2039e9,
                 source="NVIDIA A100 datasheet, 80GB SXM"),
-        # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column: FP32 67 TFLOPS,
-        # BF16/FP16 tensor core 1,979 TFLOPS *with sparsity*, so 989.5 dense; HBM3 3.35 TB/s.
-        GPUSpec(name="H100-SXM5", aliases=("H100",), fp32_flops=67e12, half_flops=989.5e12,
+        # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column: FP32 67 TFLOPS, FP64
+        # tensor core 67, BF16/FP16 tensor core 1,979 TFLOPS *with sparsity*, so 989.5 dense;
+        # HBM3 3.35 TB/s.
+        GPUSpec(name="H100-SXM5", aliases=("H100",), fp32_flops=67e12, half_flops=989.5e12, fp64_flops=67e12,
                 half_dtype="bfloat16", hbm_bandwidth=3.35e12,
                 source="NVIDIA H100 datasheet, SXM"),
-        # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column: FP32 67 TFLOPS,
-        # BF16/FP16 tensor core 1,979 TFLOPS with sparsity, so 989.5 dense; HBM3e 4.8 TB/s.
-        GPUSpec(name="H200", aliases=("H200-SXM",), fp32_flops=67e12, half_flops=989.5e12,
+        # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column: FP32 67 TFLOPS, FP64
+        # tensor core 67, BF16/FP16 tensor core 1,979 TFLOPS with sparsity, so 989.5 dense;
+        # HBM3e 4.8 TB/s.
+        GPUSpec(name="H200", aliases=("H200-SXM",), fp32_flops=67e12, half_flops=989.5e12, fp64_flops=67e12,
                 half_dtype="bfloat16", hbm_bandwidth=4.8e12,
                 source="NVIDIA H200 datasheet, SXM"),
     )
@@ -201,6 +212,8 @@ class OpCost:
     """Kernel launches and host syncs."""
     matmul: bool = False
     """True: the flops run at the matmul rate; False: at the FP32 (CUDA core) rate."""
+    fp64: bool = False
+    """True: the flops run at the FP64 rate (Cholesky-QR2 works in float64)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +232,11 @@ class RooflineModel:
     """Achievable fraction of the peak HBM bandwidth."""
     error_feedback: bool = True
     """Cost the two error-feedback passes (EDGCConfig.use_error_feedback, on by default)."""
+    orthogonalization: str = "cholesky"
+    """How P is orthonormalised (EDGCConfig.orthogonalization): "cholesky" or "householder"."""
+    units: int = 4
+    """The units a step's matrices of one shape are split over (EDGCConfig.max_units; each
+    launches the round's ops once). 0: one unit."""
 
     exhaustive = True
     measures = False
@@ -230,6 +248,11 @@ class RooflineModel:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"RooflineModel.{name}={value!r}: must be in (0, 1]")
+        if self.orthogonalization not in ORTHOGONALIZATIONS:
+            raise ValueError(f"RooflineModel.orthogonalization={self.orthogonalization!r}: choose from "
+                             f"{ORTHOGONALIZATIONS}")
+        if self.units < 0:
+            raise ValueError(f"RooflineModel.units={self.units!r}: must be >= 0 (0: one unit)")
 
     # --- the assumptions
 
@@ -290,7 +313,8 @@ class RooflineModel:
 
     def seconds(self, op: OpCost) -> float:
         """Return max(flops / FLOP/s, bytes / bandwidth) + launches · latency for `op`."""
-        rate = self.matmul_flops if op.matmul else self.vector_flops
+        rate = (self.matmul_efficiency * self.gpu.fp64_flops if op.fp64
+                else self.matmul_flops if op.matmul else self.vector_flops)
         return max(op.flops / rate, op.bytes / self.bandwidth) + op.launches * self.gpu.launch_latency
 
     def total_seconds(self, ops: Sequence[OpCost]) -> float:
@@ -299,65 +323,81 @@ class RooflineModel:
 
     # --- the operations
 
-    def orthogonalize_ops(self, m: int, r: int, batch: int) -> list[OpCost]:
-        """Return the cost of `edgc.compress.orthogonalize_` on a (batch, m, r) P in the working dtype.
+    def orthogonalize_ops(self, m: int, r: int, batch: int, units: int = 1) -> list[OpCost]:
+        """Return the cost of `edgc.compress.orthogonalize_` (the model's orthogonalization) on a
+        (batch, m, r) P in the working dtype, split over `units` batches.
 
-        As the code runs it: a half-precision P is first copied to float32 and copied back
-        at the end; then Gram-Schmidt for r <= 2, Householder QR otherwise.
-
-        - Gram-Schmidt: for each column i, vector_norm, clamp_min, div_ (3 launches; 2m
-          flops, 3m elements moved), then for the k = r−i−1 later columns colᵀ·rest,
-          col·(…), sub_ (3 launches; 4mk flops, 2m + 5mk elements). Summed: 2·B·m·r² flops,
-          6r − 3 launches for the whole batch.
+        - Cholesky-QR2 (`cholesky_qr2_`): P to float64 and back (2 launches), its columns
+          scaled to unit norm (norm, clamp, divide: 3), then twice the Gram matrix PᵀP
+          (2·B·m·r² flops in float64, 1 launch), the shift and the Cholesky factor (2) and
+          P L⁻ᵀ (B·m·r² flops, 1): 13 launches a batch, the float64 flops at the FP64 rate.
+        - Gram-Schmidt for r <= 2 ("householder"): for each column i, vector_norm, clamp_min,
+          div_ (3 launches; 2m flops, 3m elements moved), then for the k = r−i−1 later columns
+          colᵀ·rest, col·(…), sub_ (3 launches; 4mk flops, 2m + 5mk elements). Summed:
+          2·B·m·r² flops, 6r − 3 launches a batch.
         - Householder QR (torch.linalg.qr = cuSOLVER geqrf + orgqr per matrix): 2mr² − 2r³/3
           flops each (LAPACK Working Note 41's counts for xGEQRF and, with k = n, xORGQR);
           bytes: the m×r matrix read and written once by each of the two (a floor: the
           panel stays in cache) plus the copy back into P; launches: 6 + B·(3.5 + 0.75·r)
-          launch-equivalents, fitted to public torch.linalg.qr timings (see
+          launch-equivalents a batch, fitted to public torch.linalg.qr timings (see
           _QR_LAUNCHES_PER_CALL), plus 1 for the copy back.
         """
-        b, w = batch, 4  # the orthogonalisation itself always runs in float32 (or wider)
-        ops = []
-        if self.work_bytes == 2:
-            ops.append(OpCost("orthogonalise: P to float32 and back", 0.0, 2 * b * m * r * (2 + 4), 2))
+        b, w, u = batch, self.work_bytes, units
+        if self.orthogonalization == "cholesky":
+            x = b * m * r  # elements of P
+            return [
+                OpCost("orthogonalise: P to float64 and back", 0.0, 2 * x * (w + 8), 2 * u),
+                OpCost("orthogonalise: columns to unit norm", 3.0 * x, 3 * x * 8, 3 * u),
+                OpCost("orthogonalise: Gram matrices P^T P (x2)", 2 * 2.0 * x * r, 2 * (x + b * r * r) * 8, 2 * u,
+                       fp64=True),
+                OpCost("orthogonalise: shift and Cholesky (x2)", 2 * b * r**3 / 3, 2 * 2 * b * r * r * 8, 4 * u,
+                       fp64=True),
+                OpCost("orthogonalise: P L^-T (x2)", 2 * 1.0 * x * r, 2 * 2 * x * 8, 2 * u, fp64=True),
+            ]
         if r <= 2:
             flops = 2.0 * b * m * r * r
             pairs = r * (r - 1) / 2  # Σ_i (r − i − 1)
             elements = b * (3 * m * r + 2 * m * (r - 1) + 5 * m * pairs)
-            ops.append(OpCost("orthogonalise P (Gram-Schmidt)", flops, elements * w, 6 * r - 3, matmul=True))
-            return ops
+            return [OpCost("orthogonalise P (Gram-Schmidt)", flops, elements * w, (6 * r - 3) * u, matmul=True)]
         flops = b * (4.0 * m * r * r - 4.0 * r**3 / 3)
-        launches = _QR_LAUNCHES_PER_CALL + b * (_QR_LAUNCHES_PER_MATRIX + _QR_LAUNCHES_PER_COLUMN * r) + 1
-        ops.append(OpCost("orthogonalise P (Householder QR)", flops, b * (4 + 2) * m * r * w, launches))
-        return ops
+        launches = u * (_QR_LAUNCHES_PER_CALL + 1) + b * (_QR_LAUNCHES_PER_MATRIX + _QR_LAUNCHES_PER_COLUMN * r)
+        return [OpCost("orthogonalise P (Householder QR)", flops, b * (4 + 2) * m * r * w, launches)]
 
     def lowrank_ops(self, m: int, n: int, rank: int, batch: int) -> list[OpCost]:
-        """Return the operations of one PowerSGD round over `batch` (m, n) matrices at `rank`.
+        """Return the operations of one PowerSGD round over `batch` (m, n) matrices at `rank`,
+        split over min(units, batch) units a step.
 
         The rank is clipped to min(rank, m, n) as the hook does. See the module docstring
         for the list.
         """
         r, g, w, b = min(rank, m, n), self.element_bytes, self.work_bytes, batch
+        u = max(1, min(self.units or 1, b))  # each unit launches every op once
         mn = b * m * n
-        cast = w != g  # the hook converts to and from the working dtype
-        ops = [OpCost("gather (stack, to working dtype)", 0.0, 2 * mn * g + (mn * (g + w) if cast else 0),
-                      2 if cast else 1)]
-        if self.error_feedback:
-            ops.append(OpCost("error feedback in (M += E)", mn, 3 * mn * w, 1))
-        ops.append(OpCost("P = M Q", 2.0 * mn * r, b * (m * n + n * r + m * r) * w, 1, matmul=True))
+        cast = w != g  # half gradients: M made in the working dtype, factors cast around the wire
+        ops = []
+        if not cast:
+            if self.error_feedback:
+                ops.append(OpCost("error feedback in (G += E)", mn, 3 * mn * w, u))
+            ops.append(OpCost("gather M into the workspace (x3)", 0.0, 3 * 2 * mn * w, 3 * u))
+        else:
+            made = mn * (2 * g + 3 * w) if self.error_feedback else mn * (g + w)
+            ops.append(OpCost("make M = G + E in the working dtype (x3)", 3 * mn if self.error_feedback else 0.0,
+                              3 * made, 3 * (2 if self.error_feedback else 1) * u))
+        ops.append(OpCost("P = M Q", 2.0 * mn * r, b * (m * n + n * r + m * r) * w, u, matmul=True))
         if cast:
-            ops.append(OpCost("P to the wire dtype and back", 0.0, 2 * b * m * r * (w + g), 2))
+            ops.append(OpCost("P to the wire dtype and back", 0.0, 2 * b * m * r * (w + g), 2 * u))
         ops += [
-            *self.orthogonalize_ops(m, r, b),
-            OpCost("Q = M^T P", 2.0 * mn * r, b * (m * n + m * r + n * r) * w, 1, matmul=True),
+            *self.orthogonalize_ops(m, r, b, u),
+            OpCost("Q = M^T P", 2.0 * mn * r, b * (m * n + m * r + n * r) * w, u, matmul=True),
             OpCost("Q to the wire dtype and back, Q /= N", b * n * r,
-                   (2 * b * n * r * (w + g) if cast else 0) + 2 * b * n * r * w, 3 if cast else 1),
-            OpCost("reconstruct P Q^T", 2.0 * mn * r, b * (m * r + n * r + m * n) * w, 1, matmul=True),
-            OpCost("scatter (copy back)", 0.0, mn * (w + g), b),
+                   (2 * b * n * r * (w + g) if cast else 0) + 2 * b * n * r * w, (3 if cast else 1) * u),
+            OpCost("keep Q, dead-Q check", 2.0 * b * n * r, 3 * b * n * r * w, u + 2),
         ]
         if self.error_feedback:
-            ops.append(OpCost("error feedback out (E = M - M^)", mn, 3 * mn * w, 1))
-        ops.append(OpCost("keep Q, dead-Q check", 2.0 * b * n * r, 3 * b * n * r * w, 6))
+            ops.append(OpCost("error feedback out (E = M - P Q^T, one baddbmm)", 2.0 * mn * r,
+                              b * (m * r + n * r) * w + mn * (w + g), u, matmul=True))
+        ops.append(OpCost("the average P Q^T into the buckets", 2.0 * mn * r,
+                          b * (m * r + n * r) * w + mn * (2 * w + g), 2 * u, matmul=True))
         return ops
 
     def gds_ops(self, numel: float, rate: float, estimator: str, bins: int) -> list[OpCost]:

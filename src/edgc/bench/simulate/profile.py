@@ -27,7 +27,7 @@ import torch
 
 from edgc.bench.simulate.costs import DDP_BUCKET_BYTES, CostSource, EntropyCost
 from edgc.bench.simulate.gpu import working_bytes
-from edgc.compress import error_feedback_, orthogonalize_, project_p, project_q, reconstruct
+from edgc.compress import orthogonalize_, project_p, project_q
 from edgc.entropy import estimate_entropy, sample_gradient
 
 logger = logging.getLogger(__name__)
@@ -50,11 +50,12 @@ def device_name(device: torch.device) -> str:
 class DeviceTimer:
     """A `CostSource` that times EDGC's arithmetic on a local device.
 
-    - low-rank round: the hook's compress-phase work on a batch of min(count, max_batch)
-      same-shape matrices (stack and convert, error feedback in, P = MQ, orthogonalise,
-      Q = MᵀP, P and Q to the wire dtype and back, reconstruct, copy back, error feedback
-      out, keep Q), median of `repeats` runs after one untimed warm-up, scaled to the full
-      batch by count / measured batch;
+    - low-rank round: the round of edgc.comm.step on one unit's batch of same-shape
+      matrices, ceil(count / units), at most max_batch (M gathered from the buckets with the
+      error added, P = MQ, orthogonalise, Q = MᵀP, P and Q to the wire dtype and back, keep
+      Q and the dead-Q check, M gathered again, E = M - P Qᵀ in one baddbmm, the average
+      and its copy back into the buckets), median of `repeats` runs after one untimed
+      warm-up, scaled to the full count by count / measured batch;
     - GDS: the non-finite check, the strided sample and the estimate over a gradient held
       in DDP-sized buckets, timed at `entropy_elements` and a quarter of it; the two points
       give the fixed and per-element cost.
@@ -74,6 +75,8 @@ class DeviceTimer:
         repeats: int = 3,
         max_batch: int | None = None,
         entropy_elements: int = 1 << 24,
+        units: int = 4,
+        orthogonalization: str = "cholesky",
     ) -> None:
         # hyperparameters
         self.device = torch.device(device)
@@ -87,6 +90,8 @@ class DeviceTimer:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]  # the gradients' dtype
+        self.units = units  # EDGCConfig.max_units: a shape's matrices are timed as one unit's batch
+        self.orthogonalization = orthogonalization  # EDGCConfig.orthogonalization
         # the hook's working dtype (edgc.comm.step.working_dtype): float32 for half gradients
         self.work_dtype = torch.float32 if working_bytes(self.dtype.itemsize) == 4 else self.dtype
         self.repeats = repeats
@@ -148,32 +153,43 @@ class DeviceTimer:
         gradients), P and Q copied to the gradient dtype and back around their all-reduces.
         """
         gen = torch.Generator().manual_seed(0)
-        b = max(1, batch if self.max_batch is None else min(batch, self.max_batch))
+        unit = -(-batch // max(1, min(self.units or 1, batch)))  # the matrices of one unit's batch
+        b = max(1, unit if self.max_batch is None else min(unit, self.max_batch))
         work = self.work_dtype
         cast = work != self.dtype
         grads = [self._randn((m, n), gen) for _ in range(b)]  # b gradients of (m, n)
-        error = self._randn((b, m, n), gen, 1e-3).to(work)  # (B, m, n)
+        error = self._randn((b, m, n), gen, 1e-3).to(self.dtype)  # (B, m, n), kept in the gradients' dtype
+        mat = torch.empty((b, m, n), device=self.device, dtype=work)  # the workspace
 
         def one_round(q0: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                      p_wire: torch.Tensor, q_wire: torch.Tensor) -> None:
-            mat = torch.stack(grads).to(work)  # (B, m, n)
+                      p_wire: torch.Tensor, q_wire: torch.Tensor, kept: torch.Tensor) -> None:
+            # M gathered from the buckets into the workspace and the error added, each of the
+            # three times a unit that spans several buckets reads it
+            torch._foreach_copy_(list(mat.unbind(0)), grads)
             mat.add_(error)
             project_p(mat, q0, out=p)  # (B, m, r)
             if cast:
                 p_wire.copy_(p)  # (P's all-reduce goes here)
                 p.copy_(p_wire)
-            orthogonalize_(p)
+            orthogonalize_(p, self.orthogonalization)
+            torch._foreach_copy_(list(mat.unbind(0)), grads)  # M read again for Q
+            mat.add_(error)
             project_q(mat, p, out=q)  # (B, n, r)
             if cast:
                 q_wire.copy_(q)  # (Q's all-reduce goes here)
                 q.copy_(q_wire)
             q.div_(2)  # the average over replicas
-            m_hat = reconstruct(p, q)  # (B, m, n)
-            for i, g in enumerate(grads):
-                g.copy_(m_hat[i])
-            error_feedback_(mat, m_hat)
-            kept = q.clone()
-            bool((kept.flatten(1).abs().amax(dim=1) == 0).any())  # the hook's dead-Q check
+            kept.copy_(q)
+            bool((torch.linalg.vector_norm(kept, float("inf"), dim=(1, 2)) == 0).any())  # the dead-Q check
+            torch._foreach_copy_(list(mat.unbind(0)), grads)  # M read again for the end
+            mat.add_(error)
+            if error.dtype == work:  # E = M - P Q^T, straight into E
+                torch.baddbmm(mat, p, q.mT, alpha=-1, out=error)
+            else:  # (E kept in the half dtype: through M, then rounded into E)
+                mat.baddbmm_(p, q.mT, alpha=-1)
+                error.copy_(mat)
+            torch.bmm(p, q.mT, out=mat)  # the average, then into the buckets
+            torch._foreach_copy_(grads, list(mat.unbind(0)))
 
         out = {}
         for r in ranks:
@@ -183,7 +199,8 @@ class DeviceTimer:
             q = torch.empty((b, n, r), device=self.device, dtype=work)
             p_wire = torch.empty_like(p, dtype=self.dtype)  # (B, m, r) as it travels
             q_wire = torch.empty_like(q, dtype=self.dtype)  # (B, n, r)
-            out[r] = self.time(functools.partial(one_round, q0, p, q, p_wire, q_wire)) * batch / b
+            kept = torch.empty_like(q)
+            out[r] = self.time(functools.partial(one_round, q0, p, q, p_wire, q_wire, kept)) * batch / b
             logger.info("timed (%s, %s) x%s at rank %s: %.3g s", m, n, b, r, out[r] / batch * b)
         return out
 

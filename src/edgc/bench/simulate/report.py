@@ -114,12 +114,13 @@ def _arithmetic_note(profile: CostProfile) -> str:
     parts = []
     if "roofline" in kinds:
         parts.append(
-            "modelled (roofline, see the top) for the operations edgc's hook runs in the compress phase: "
-            "stack and convert to the working dtype, error feedback in, P = MQ, P to the wire dtype and back, "
-            "orthogonalisation (Householder QR for r > 2, its launches fitted to public torch.linalg.qr "
-            "timings; Gram-Schmidt for r <= 2), Q = MᵀP, Q to the wire dtype and back, reconstruction, copy "
-            "back, error feedback out, keeping Q; each kernel or host sync pays one launch latency, kernels "
-            "do not overlap, and traffic that may stay in L2 is counted at HBM bandwidth; a shape's cost is "
+            "modelled (roofline, see the top) for the operations edgc's round runs in the compress phase, "
+            "each launched once per unit of the step (4, EDGCConfig.max_units): M = G + E gathered from the "
+            "buckets for each of its three reads, P = MQ, P to the wire dtype and back, the orthogonalisation "
+            "(Cholesky-QR2 in float64, 13 launches a batch, its flops at the FP64 rate), Q = MᵀP, Q to the "
+            "wire dtype and back, keeping Q, E = M - PQᵀ in one baddbmm, the average and its copy back; each "
+            "kernel or host sync pays one launch latency, a multi-tensor op counts as one, kernels do not "
+            "overlap, and traffic that may stay in L2 is counted at HBM bandwidth; a shape's cost is "
             "modelled at its largest batch on one stage; the GDS step is the non-finite check, the strided "
             "sample and the estimator")
     if kinds & {"measured-gpu", "measured-cpu"}:
