@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import workers
-from harness import run_workers
-
 from edgc.extras import missing_modules
+from harness import run_workers
 
 pytestmark = [
     pytest.mark.cuda,
