@@ -217,6 +217,28 @@ def test_min_unit_mb_reaches_the_state_may_change_on_resume_and_a_bad_value_ends
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_round_s_options_reach_the_state_and_max_units_may_change_on_resume(tmp_path, data_dir):
+    import torch
+
+    run = tmp_path / "run"
+    # small buckets, so that the plan has several for max_units to merge
+    proc = _edgc(*_train(data_dir, run, "--method", "edgc", "--steps", "4", "--stop-after", "2",
+                         "--bucket-cap-mb", "0.1", "--edgc-warmup-steps", "1", "--edgc-max-units", "2",
+                         "--edgc-orthogonalization", "householder"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
+    configs = [r["comm"]["config"] for r in ckpt["replicas"]]
+    assert [(c["max_units"], c["orthogonalization"]) for c in configs] == [(2, "householder")] * 2
+    assert len(ckpt["replicas"][0]["comm"]["compression"]["units"]) > 2  # (the plan kept is DDP's buckets)
+    proc = _edgc("train", "--resume", str(run), "--stop-after", "null", "--edgc-max-units", "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = torch.load(run / CHECKPOINT_NAME, weights_only=False)
+    assert ckpt["step"] == 4 and [r["comm"]["config"]["max_units"] for r in ckpt["replicas"]] == [0, 0]
+    # the orthogonalization is the run's: a resume that changes it is refused by name
+    proc = _edgc("train", "--resume", str(run), "--steps", "6", "--edgc-orthogonalization", "cholesky", cwd=tmp_path)
+    assert proc.returncode == 2 and "--edgc-orthogonalization" in proc.stderr
+
+
 def test_critical_policy_through_the_cli_raises_the_rank_after_a_step_lr_drop_and_resumes_exactly(tmp_path, data_dir):
     # a threshold rho never reaches: r_max for the first windows (no earlier one to compare
     # with), then r_lo = 4, but for the window after the learning rate drops at step 7
