@@ -6,8 +6,9 @@ rank: each compressed matrix's error feedback and warm-start Q, in the dtypes th
 keeps them in, as edgc.comm.compression lays them out (the same rule picks the matrices
 and their ranks), and the window's sums of the averaged gradient's sample, which the
 policies that read the window's norm keep (an upper bound: they are freed at each
-window's end). It also gives the step's transient workspace, one or two matrices
-(edgc.comm.step, "Memory"), and what torch's powerSGD_hook keeps for the same gradient
+window's end). It also gives the step's transient workspace, one unit's matrices of one
+shape in the working dtype (edgc.comm.step, "The round on a device, and its memory"), and
+what torch's powerSGD_hook keeps for the same gradient
 (`torch_hook_bytes`), for comparison.
 
 Under DDP the gradient is the whole model; under FSDP2/HSDP each parameter's shard (its
@@ -43,7 +44,7 @@ class StateBytes:
     error: int  # the error feedback of every compressed matrix
     q: int  # the warm-start Q of every compressed matrix
     window: int  # at most: the window's sums of the averaged gradient's sample
-    workspace: int  # transient, during a compressed step: one or two of the largest matrix
+    workspace: int  # transient, during a compressed step, at most: one unit's matrices of one shape
     compressed: int  # elements of the compressed matrices
     elements: int  # elements of the whole gradient
 
@@ -68,17 +69,23 @@ def state_bytes(shapes: Sequence[Sequence[int]], dtype: torch.dtype, config: EDG
     kept = CompressionState(0, config.state_dtype, config.long_rank_factor, config.rank_multiple)
     error_size = kept.error_dtype(dtype).itemsize if config.use_error_feedback else 0
     q_size = kept.q_dtype(dtype).itemsize
-    error = q = compressed = largest = 0
+    error = q = compressed = 0
+    counts: dict[tuple[int, int], int] = {}
     for shape in shapes:
         if not compressible(tuple(shape), r_max, config.min_compression_rate):
             continue
         m, n = int(shape[0]), math.prod(int(d) for d in shape[1:])
         compressed += m * n
-        largest = max(largest, m * n)
+        counts[(m, n)] = counts.get((m, n), 0) + 1
         error += m * n * error_size
         q += n * kept.group_rank((m, n), rank) * q_size
-    work = working_dtype(dtype).itemsize
-    workspace = largest * work * (1 if working_dtype(dtype) == dtype else 2)  # M_hat; and M for half gradients
+    # the workspace: one unit's matrices of one shape, a unit holding about 1/max_units of each
+    # shape's (a transformer's shapes repeat layer by layer), where M is gathered from several
+    # buckets or made in float32 for half gradients; none where each unit is one bucket of
+    # gradients in their own dtype, which this upper bound does not assume
+    units = max(1, config.max_units)
+    workspace = max((-(-c // units) * m * n for (m, n), c in counts.items()), default=0)
+    workspace *= working_dtype(dtype).itemsize
     window = 0
     if config.policy in _WINDOW_NORM_POLICIES:  # (the sample's sums in float64, and the count)
         window = 8 * sample_offsets([math.prod(s) for s in shapes], config.gradient_sample_rate)[-1] + 8

@@ -60,7 +60,11 @@ def test_bytes_per_parameter_follow_the_kept_dtypes_and_torch_keeps_every_elemen
     bf16 = state_bytes(shapes, torch.bfloat16, EDGCConfig(max_rank=8), rank=8)
     assert (f32.error, f32.q, f32.compressed) == (1024 * 1024 * 4, 1024 * 8 * 4, 1024 * 1024)
     assert (bf16.error, bf16.q) == (1024 * 1024 * 2, 1024 * 8 * 4)  # (Q in the working dtype)
-    assert f32.workspace == 1024 * 1024 * 4 and bf16.workspace == 2 * 1024 * 1024 * 4
+    # the workspace: one unit's matrices of the shape, in the working dtype (float32)
+    assert f32.workspace == 1024 * 1024 * 4 and bf16.workspace == 1024 * 1024 * 4
+    layers = [(1024, 1024)] * 8 + [(4096, 1024)] * 8  # four units: two of each shape a unit
+    assert state_bytes(layers, torch.bfloat16, EDGCConfig(max_rank=8)).workspace == 2 * 4096 * 1024 * 4
+    assert state_bytes(layers, torch.bfloat16, EDGCConfig(max_rank=8, max_units=1)).workspace == 8 * 4096 * 1024 * 4
     # torch: every element's error (the bias too) and P and Q, in the gradient's dtype
     assert torch_hook_bytes(shapes, torch.bfloat16, 8) == (1024 * 1024 + 1024 + 2048 * 8) * 2
     with pytest.raises(ValueError, match="rank must be at least 1"):

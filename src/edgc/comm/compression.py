@@ -16,7 +16,7 @@ can leave) and Q in the working dtype (float32 for half-precision gradients); "f
 both in the working dtype; "bf16", both in bf16. The step always works in the working
 dtype, and rounds the new values as it keeps them. The error feedback is one buffer,
 updated in place at the end of a finite step (edgc.comm.step, "Non-finite gradients"); the
-step's one-matrix temporaries live in a `Workspace` (edgc.comm.workspace), emptied at the
+step's temporaries (one unit's matrices of one shape) live in a `Workspace` (edgc.comm.workspace), emptied at the
 step's end. The generator that draws Q is seeded alike on every replica.
 
 The plan. `units` is DDP's bucket layout of the last step that had several buckets, as

@@ -321,7 +321,7 @@ class StepSync:
             self.collectives.wait([work])
             control[ENTROPY:] /= self.collectives.control_size
         finite = self._commit() if info.compressed else True
-        compression.workspace.clear()  # (its buffers are one matrix each, allocated again next step)
+        compression.workspace.clear()  # (one part's matrices, allocated again next step)
         return StepResult(info, control, grads, finite, self._sums_finite(), self.step_comm, self.plain_lap,
                           self.average, self.layout if len(self.layout) > 1 else None, self.bytes_uncompressed,
                           self.entropy_seconds)

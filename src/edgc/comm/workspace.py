@@ -1,11 +1,13 @@
 """Scratch buffers a step reuses across the matrices it works on, instead of allocating afresh.
 
-A compressed step needs temporaries as large as one matrix: its reconstruction M_hat =
-P Q^T and, for half-precision gradients, M = G + error in the working dtype (edgc.comm.step,
-"Memory"). A `Workspace` keeps one flat buffer per name, dtype and device, grown to the
-largest request seen and handed out as views, so that a step allocates each at most once
-(many short-lived blocks of varying sizes are what makes glibc's malloc keep freed memory
-on the CPU). The step empties it at its end (`clear`): between steps the state holds none of it.
+A compressed step needs temporaries as large as one unit's matrices of one shape: M = G +
+error in the working dtype, where the matrices are gathered from several buckets or the
+gradients are half precision, and the average P Q^T on its way back (edgc.comm.step, "The
+round on a device, and its memory"). A `Workspace` keeps one flat buffer per name, dtype and
+device, grown to the largest request seen and handed out as views, so that a step allocates
+each at most once (many short-lived blocks of varying sizes are what makes glibc's malloc
+keep freed memory on the CPU). The step empties it at its end (`clear`): between steps the
+state holds none of it.
 
 A view is valid until the next `take` of the same name: the caller uses one name per
 temporary that can be alive at the same time as another of its kind.
