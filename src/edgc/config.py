@@ -35,8 +35,8 @@ from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
 __all__ = ["ADDED_FIELDS", "MAX_RANK", "MAX_UNITS", "ORTHOGONALIZATIONS", "REMOVED_FIELDS", "SECTIONS", "SEED_LIMIT",
-           "STATE_DTYPES", "SYNC_MODES",
-           "WIRE_FORMATS", "EDGCConfig", "pipeline_refusal", "upgrade_config_v1", "with_added_fields"]
+           "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig", "pipeline_refusal", "upgrade_config_v1",
+           "with_added_fields"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).

@@ -103,8 +103,7 @@ def _probe_round(mats: list[torch.Tensor], rank: int, generator: torch.Generator
     p_flats = flatten_by_dtype(ps, range(len(ps)), align)
     # collectives (calibration only): sum of P, one per dtype, in the wire format
     collectives.wait([collectives.sum_in(flat, wire) for flat, _ in p_flats])
-    for flat, idx in p_flats:
-        scatter([flat], [[ps[i] for i in idx]], align)
+    scatter([flat for flat, _ in p_flats], [[ps[i] for i in idx] for _, idx in p_flats], align)
     qs = [project_q(m.unsqueeze(0), orthogonalize_(p)) for m, p in zip(mats, ps, strict=True)]
     # collectives (calibration only): sum of Q, one per dtype, in the wire format
     collectives.wait([collectives.sum_in(flat, wire) for flat, _ in flatten_by_dtype(qs, range(len(qs)), align)])

@@ -35,8 +35,6 @@ def compressible(shape: tuple[int, ...] | torch.Size, rank: int, min_rate: float
     return m * n >= min_rate * (m + n) * r
 
 
-
-
 def orthogonalize_(p: torch.Tensor, method: str = "cholesky") -> torch.Tensor:
     """Orthonormalise the columns of each matrix in p (B, m, r), in place; returns p.
 

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgc.bench.simulate.costs import DDP_BUCKET_BYTES, EntropyCost
-from edgc.config import ORTHOGONALIZATIONS
+from edgc.config import ORTHOGONALIZATIONS, EDGCConfig
 from edgc.entropy import ESTIMATORS, sample_stride
 
 logger = logging.getLogger(__name__)
@@ -232,9 +232,9 @@ class RooflineModel:
     """Achievable fraction of the peak HBM bandwidth."""
     error_feedback: bool = True
     """Cost the two error-feedback passes (EDGCConfig.use_error_feedback, on by default)."""
-    orthogonalization: str = "cholesky"
+    orthogonalization: str = EDGCConfig.orthogonalization
     """How P is orthonormalised (EDGCConfig.orthogonalization): "cholesky" or "householder"."""
-    units: int = 4
+    units: int = EDGCConfig.max_units
     """The units a step's matrices of one shape are split over (EDGCConfig.max_units; each
     launches the round's ops once). 0: one unit."""
 

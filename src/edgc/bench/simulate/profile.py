@@ -28,6 +28,7 @@ import torch
 from edgc.bench.simulate.costs import DDP_BUCKET_BYTES, CostSource, EntropyCost
 from edgc.bench.simulate.gpu import working_bytes
 from edgc.compress import orthogonalize_, project_p, project_q
+from edgc.config import EDGCConfig
 from edgc.entropy import estimate_entropy, sample_gradient
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class DeviceTimer:
         repeats: int = 3,
         max_batch: int | None = None,
         entropy_elements: int = 1 << 24,
-        units: int = 4,
-        orthogonalization: str = "cholesky",
+        units: int = EDGCConfig.max_units,
+        orthogonalization: str = EDGCConfig.orthogonalization,
     ) -> None:
         # hyperparameters
         self.device = torch.device(device)

@@ -115,7 +115,7 @@ def _arithmetic_note(profile: CostProfile) -> str:
     if "roofline" in kinds:
         parts.append(
             "modelled (roofline, see the top) for the operations edgc's round runs in the compress phase, "
-            "each launched once per unit of the step (4, EDGCConfig.max_units): M = G + E gathered from the "
+            "each launched once per unit of the step (EDGCConfig.max_units): M = G + E gathered from the "
             "buckets for each of its three reads, P = MQ, P to the wire dtype and back, the orthogonalisation "
             "(Cholesky-QR2 in float64, 13 launches a batch, its flops at the FP64 rate), Q = MᵀP, Q to the "
             "wire dtype and back, keeping Q, E = M - PQᵀ in one baddbmm, the average and its copy back; each "
