@@ -1,5 +1,7 @@
 """Fixtures of the single-process unit tests."""
 
+import gc
+
 import pytest
 import torch.distributed as dist
 
@@ -10,7 +12,14 @@ def one_process_group(tmp_path):
     state that needs a group but no peers."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
+    # Collect the test's garbage here, on the main thread, before and after the group goes:
+    # otherwise a later collection may run on one of gloo's threads (torch's hook runs
+    # Python callbacks there) and free the last reference to a process group from its own
+    # worker thread, which joins itself and aborts the process (SIGABRT, seen under load).
+    gc.collect()
+    dist.barrier()  # (every collective issued is done)
     dist.destroy_process_group()
+    gc.collect()
 
 
 @pytest.fixture

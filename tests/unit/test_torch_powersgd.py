@@ -38,10 +38,13 @@ def _step(state, module, layout, grads):
     for b, idx in enumerate(layout):
         buf = torch.cat([grads[i].reshape(-1) for i in idx])
         fut = torch_powersgd_hook(state, FlatBucket(b, buf, [params[i] for i in idx], b == len(layout) - 1))
+        # wait for the bucket's whole chain (torch's callbacks run on gloo's thread) before
+        # reading it or starting the next: value() on a future still running can race it
+        result = fut.wait()
         offset = 0
         for i in idx:
             n = params[i].numel()
-            out[i] = fut.value()[offset:offset + n].view(params[i].shape).clone()
+            out[i] = result[offset:offset + n].view(params[i].shape).clone()
             offset += n
     return out
 
