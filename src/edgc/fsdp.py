@@ -101,6 +101,7 @@ class _Module:
     entries: list[Entry]  # ((module index, parameter index), padded shard shape), in buffer order
     numel: int  # the buffer's size
     accumulated: torch.Tensor | None = None  # local sum of micro-batches not synced yet
+    expert: bool = False  # sharded on the expert mesh: synced by the experts' own core
 
 
 class EDGCFSDPState(SyncState):
@@ -109,27 +110,61 @@ class EDGCFSDPState(SyncState):
     set_grad_scale, set_learning_rate, ...) is SyncState's, as on EDGCState; state_dict
     and load_state_dict hold this process's shards under its global rank."""
 
-    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int, int]):
+    def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int, int],
+                 expert_sync: GradientSync | None = None, ep: int = 1):
         self._modules = modules
         self.sync = sync
         self.layout = layout  # (replicate, shard, tp) sizes
-        self._calls = 0  # modules synced so far in this step
+        self.expert_sync = expert_sync  # the experts' core (register_edgc(..., expert_mesh=...)), else None
+        self.ep = ep  # expert-parallel ranks (1 without experts)
+        self._calls = {False: 0, True: 0}  # modules synced so far in this step, dense and experts
+        self._count = {e: sum(m.expert == e for m in modules) for e in (False, True)}
 
     def stats(self) -> EDGCStats:
         """This process's counters; bytes are those handed to collectives across the
         replicate group (the inter-node wire), and bytes_uncompressed what native HSDP's
-        all-reduce of the same shards would have sent."""
+        all-reduce of the same shards would have sent. With experts, the dense
+        parameters' only (`expert_stats` gives the experts')."""
         return self.sync.stats()
+
+    def expert_stats(self) -> EDGCStats | None:
+        """The experts' counters (their all-reduce over the expert replicate group, their
+        rank and signals), or None without experts."""
+        return self.expert_sync.stats() if self.expert_sync is not None else None
+
+    def _syncs(self) -> list[GradientSync]:
+        return [self.sync] + ([self.expert_sync] if self.expert_sync is not None else [])
+
+    @property
+    def enabled(self) -> bool:
+        """SyncState.enabled; with experts, set on both cores."""
+        return self.sync.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        for sync in self._syncs():
+            sync.enabled = bool(on)
+
+    def set_grad_scale(self, scale: float) -> None:
+        for sync in self._syncs():
+            sync.set_grad_scale(scale)
+
+    def set_learning_rate(self, lr: float) -> None:
+        for sync in self._syncs():
+            sync.set_learning_rate(lr)
 
     def _key(self) -> str:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
     def state_dict(self) -> dict[str, Any]:
         """{"format", "layout": [replicate, shard, tp], "rank<global rank>": this process's
-        compression state as bytes}: see the module doc."""
-        blob = io.BytesIO()
-        torch.save(self.sync.state_dict(copy=False), blob)  # (serialised here: no copy of the error first)
-        return {"format": _FORMAT, "layout": list(self.layout), self._key(): blob.getvalue()}
+        compression state as bytes}: see the module doc. With experts, also "ep" and
+        "experts-rank<global rank>": the experts' core's state."""
+        out: dict[str, Any] = {"format": _FORMAT, "layout": list(self.layout), self._key(): _blob(self.sync)}
+        if self.expert_sync is not None:
+            out["ep"] = self.ep
+            out[f"experts-{self._key()}"] = _blob(self.expert_sync)
+        return out
 
     def load_state_dict(self, d: dict[str, Any], *, strict_replica: bool = True, trust: bool = False) -> None:
         """Restore this process's state from state_dict() (or a DCP load into it), before
@@ -139,10 +174,15 @@ class EDGCFSDPState(SyncState):
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
             raise ValueError(f"not an EDGC FSDP state dict (missing format marker {_FORMAT!r})")
         saved = (*(int(x) for x in d["layout"]), 1)[:3]  # (states saved before TP hold [replicate, shard])
-        if saved != self.layout:
-            raise ValueError(f"EDGC FSDP state was saved by a layout of {_say(saved)}, but this job has "
-                             f"{_say(self.layout)}; error feedback is per shard and cannot be remapped")
+        if saved != self.layout or int(d.get("ep", 1)) != self.ep:
+            raise ValueError(f"EDGC FSDP state was saved by a layout of {_say(saved, int(d.get('ep', 1)))}, but this "
+                             f"job has {_say(self.layout, self.ep)}; error feedback is per shard and cannot be "
+                             "remapped")
+        if self.expert_sync is not None and f"experts-{self._key()}" not in d:
+            raise ValueError(f"EDGC FSDP state dict holds no experts' state for this process (experts-{self._key()})")
         self.sync.load_state_dict(_entry(d, self._key(), trust), strict_replica=strict_replica)
+        if self.expert_sync is not None:
+            self.expert_sync.load_state_dict(_entry(d, f"experts-{self._key()}", trust), strict_replica=strict_replica)
 
     def load_resized(self, states: list[dict[str, Any]], *, trust: bool = False) -> None:
         """Restore this process's state from the state_dict() of every process of a job
@@ -156,6 +196,9 @@ class EDGCFSDPState(SyncState):
         if not states or not isinstance(states[0], dict) or states[0].get("format") != _FORMAT:
             raise ValueError(f"not a list of EDGC FSDP state dicts (missing format marker {_FORMAT!r})")
         saved = (*(int(x) for x in states[0]["layout"]), 1)[:3]
+        if self.expert_sync is not None or int(states[0].get("ep", 1)) != 1:
+            raise ValueError("EDGC FSDP states with experts resume on the same layout only: the experts' error "
+                             "feedback is per expert-parallel rank and cannot be resized to other replicas")
         if saved[1:] != self.layout[1:]:
             raise ValueError(f"EDGC FSDP state was saved by a layout of {_say(saved)}, but this job has "
                              f"{_say(self.layout)}: only the number of replicas may change")
@@ -188,12 +231,15 @@ class EDGCFSDPState(SyncState):
         if module.accumulated is not None:
             output.add_(module.accumulated)
             module.accumulated = None
-        self._calls += 1
-        last = self._calls == len(self._modules)
+        kind = module.expert
+        self._calls[kind] += 1
+        last = self._calls[kind] == self._count[kind]
         if last:
-            self._calls = 0
+            self._calls[kind] = 0
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self.sync.receive(output, module.entries, future, last)
+        sync = self.expert_sync if kind else self.sync
+        assert sync is not None  # (expert modules only with an experts' core)
+        sync.receive(output, module.entries, future, last)
         if not future.done():  # (the eager core completes every buffer in its own call)
             raise RuntimeError("EDGC: a module's gradient was not averaged within FSDP's hook")
 
@@ -208,23 +254,56 @@ def _entry(d: dict[str, Any], key: str, trust: bool) -> dict[str, Any]:
                       trust=trust)
 
 
-def _say(layout: tuple[int, ...]) -> str:
-    return f"{layout[0]} replicas x {layout[1]} shards x {layout[2]} TP ranks"
+def _blob(sync: GradientSync) -> bytes:
+    blob = io.BytesIO()
+    torch.save(sync.state_dict(copy=False), blob)  # (serialised here: no copy of the error first)
+    return blob.getvalue()
 
 
-def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str = "replicate") -> NativeHSDPState:
+def _say(layout: tuple[int, ...], ep: int = 1) -> str:
+    experts = f" ({ep} expert-parallel ranks)" if ep > 1 else ""
+    return f"{layout[0]} replicas x {layout[1]} shards x {layout[2]} TP ranks{experts}"
+
+
+def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str = "replicate",
+                      expert_mesh: DeviceMesh | None = None) -> NativeHSDPState:
     """Counters for a model sharded natively on the whole 2-D mesh (the baseline): an
     all-reduce hook on every FSDPModule that only counts the bytes FSDP's own all-reduce
-    across `mesh[replicate_dim]` handled (the hook runs after it)."""
+    across `mesh[replicate_dim]` handled (the hook runs after it). With `expert_mesh`
+    (edgc.moe.expert_mesh), the FSDPModules sharded natively on its (replicate, shard)
+    slice are the experts': counted apart (the state's `expert_state`), and their divide
+    factor set to the whole data-parallel degree, as register_edgc does (edgc.moe)."""
     from torch.distributed.fsdp import FSDPModule
 
     hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and module_params(m)]
     if not hooked:
         raise ValueError("count_native_hsdp found no FSDPModule with parameters in the model")
-    state = NativeHSDPState(mesh[replicate_dim].get_group(), len(hooked))
-    for m in hooked:
+    experts: list[Any] = []
+    if expert_mesh is not None:
+        ranks = _ranks(expert_mesh[replicate_dim].get_group())
+        experts = [m for m in hooked if module_params(m)[0].native_hsdp and _replicate_ranks(m) == ranks
+                   and _replicate_ranks(m) != _ranks(mesh[replicate_dim].get_group())]
+    dense = [m for m in hooked if not any(m is e for e in experts)]
+    state = NativeHSDPState(mesh[replicate_dim].get_group(), len(dense))
+    for m in dense:
         m.set_all_reduce_hook(state.count)
+    if experts:
+        assert expert_mesh is not None
+        state.expert_state = NativeHSDPState(expert_mesh[replicate_dim].get_group(), len(experts))
+        gloo = dist.get_backend(mesh[replicate_dim].get_group()) == "gloo"
+        for m in experts:
+            m.set_gradient_divide_factor(float(mesh.size()))
+            if gloo:  # (gloo has no pre-multiplied sum: sum, then divide)
+                m.set_force_sum_reduction_for_comms(True)
+            m.set_all_reduce_hook(state.expert_state.count)
     return state
+
+
+def _replicate_ranks(module: Any) -> list[int]:
+    """The ranks a natively HSDP-sharded module all-reduces over."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    return _ranks(groups[0].mesh_info.replicate_process_group)
 
 
 def _mesh_groups(mesh: DeviceMesh, replicate: str, shard: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -324,10 +403,13 @@ def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: _
                          f"divisible by {tp.size}")
 
 
-def _fsdp_modules(model: nn.Module, shard_ranks: list[int], shard_dim: str) -> tuple[list[Any], list[_Module]]:
+def _fsdp_modules(model: nn.Module, shard_ranks: list[int], shard_dim: str, expert_group: Any = None
+                  ) -> tuple[list[Any], list[_Module]]:
     """The FSDPModules of `model` that own parameters, and each one's layout (`_Module`);
-    raises ValueError for a module register_edgc cannot serve: several parameter groups,
-    native HSDP on the 2-D mesh, another shard mesh, a parameter sharded on a dim other than 0."""
+    those sharded on `expert_group` (the expert mesh's shard group) are the experts', with
+    entries numbered apart from the dense ones. Raises ValueError for a module
+    register_edgc cannot serve: several parameter groups, native HSDP on the 2-D mesh,
+    another shard mesh, a parameter sharded on a dim other than 0."""
     from torch.distributed.fsdp import FSDPModule  # (torch >= 2.6)
 
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -353,19 +435,42 @@ def _fsdp_modules(model: nn.Module, shard_ranks: list[int], shard_dim: str) -> t
         if sharded_over != shard_ranks:
             raise ValueError(f"FSDPModule {label!r} is sharded over ranks {sharded_over}, "
                              f"not over mesh[{shard_dim!r}] ({shard_ranks})")
-        index = len(modules)
+        expert = expert_group is not None and group.shard_group is expert_group
+        index = sum(other.expert == expert for other in modules)  # (each core numbers its own modules)
         for param in group.params:
             if param.dim != 0:
                 raise ValueError(f"parameter {param.name!r} is sharded on dim {param.dim}; "
                                  "register_edgc needs dim-0 shards (the default)")
-        entries: list[Entry] = [((index, k), param.padded_shape) for k, param in enumerate(group.params)]
-        modules.append(_Module(label, group, entries, sum(math.prod(shape) for _, shape in entries)))
+        entries: list[Entry] = []
+        for k, param in enumerate(group.params):
+            shape = tuple(param.padded_shape)
+            if expert and len(shape) >= 2:  # (stacked experts [E', ...]: E' tensors, a batch of matrices)
+                entries += [((index, k, e), shape[1:]) for e in range(shape[0])]
+            else:
+                entries.append(((index, k), shape))
+        modules.append(_Module(label, group, entries, sum(math.prod(shape) for _, shape in entries), expert=expert))
         hooked.append(m)
     return hooked, modules
 
 
+def _expert_groups(expert_mesh: DeviceMesh, shard_mesh: DeviceMesh, replicate_dim: str, shard_dim: str
+                   ) -> tuple[DeviceMesh, DeviceMesh, int]:
+    """The expert mesh's replicate and shard slices and its EP size; raises ValueError
+    unless it is (replicate, "ep", shard) with the dense mesh's shard groups (edgc.moe.expert_mesh)."""
+    names = tuple(expert_mesh.mesh_dim_names or ())
+    if names != (replicate_dim, "ep", shard_dim):
+        raise ValueError(f"register_edgc's expert_mesh must have the dimensions ({replicate_dim!r}, 'ep', "
+                         f"{shard_dim!r}) (edgc.moe.expert_mesh builds it); got {names or None}")
+    e_shard = expert_mesh[shard_dim]
+    if _ranks(e_shard.get_group()) != _ranks(shard_mesh.get_group()):
+        raise ValueError(f"the expert mesh's {shard_dim!r} groups must be the dense mesh's "
+                         f"({_ranks(shard_mesh.get_group())}); this process's is {_ranks(e_shard.get_group())}")
+    return expert_mesh[replicate_dim], e_shard, expert_mesh["ep"].size()
+
+
 def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None = None, *,
-                  replicate_dim: str = "replicate", shard_dim: str = "shard") -> EDGCFSDPState:
+                  replicate_dim: str = "replicate", shard_dim: str = "shard",
+                  expert_mesh: DeviceMesh | None = None) -> EDGCFSDPState:
     """Hook EDGC into every FSDPModule of `model`, sharded with
     `fully_shard(module, mesh=mesh[shard_dim])`; returns the state (stats, checkpoints).
 
@@ -374,21 +479,55 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     first backward pass, on every process of the mesh (it creates a process group when
     the mesh is not the whole world). Raises ValueError on a layout it cannot serve (see
     the module doc).
+
+    Mixture of experts (edgc.moe): with `expert_mesh` (edgc.moe.expert_mesh(mesh, ep)),
+    the FSDPModules sharded on `expert_mesh[shard_dim]` are the experts'. A parameter of
+    theirs stacked on a leading expert dimension, [E', out, in], is compressed as E'
+    matrices of (out, in), one batch (E' vectors for [E', out]). Their gradients
+    are averaged over `expert_mesh[replicate_dim]`, the processes holding the same
+    experts, by a compression core of their own (own error feedback, Q, rank and
+    signals, agreed over the processes of the same EP rank); their FSDP divide factor is
+    set to shards x ep, so that every gradient ends divided by the whole data-parallel
+    degree. `expert_stats()` gives their counters.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("register_edgc needs torch.distributed initialised (init_process_group or torchrun)")
     replicate_mesh, shard_mesh = _mesh_groups(mesh, replicate_dim, shard_dim)
-    hooked, modules = _fsdp_modules(model, _ranks(shard_mesh.get_group()), shard_dim)
-    tp = _tensor_parallel(mesh, [m.group for m in modules], replicate_dim, shard_dim)
+    experts = None if expert_mesh is None else _expert_groups(expert_mesh, shard_mesh, replicate_dim, shard_dim)
+    hooked, modules = _fsdp_modules(model, _ranks(shard_mesh.get_group()), shard_dim,
+                                    experts[1].get_group() if experts is not None else None)
+    dense = [m for m in modules if not m.expert]
+    tp = _tensor_parallel(mesh, [m.group for m in dense], replicate_dim, shard_dim)
     control = _stage_group(mesh, (replicate_dim, shard_dim, *tp.dims))
     if tp.size > 1:
+        if experts is not None:
+            raise ValueError("register_edgc does not combine experts (expert_mesh) with tensor parallelism yet")
         _check_same_shards(modules, control, tp)
     # (the core checks the config: its type, its values, and that max_rank is set)
     sync = GradientSync(replicate_mesh.get_group(), config, control_group=control, eager=True)
-    sync.declare([m.entries for m in modules], [m.group.reduce_dtype for m in modules], uncounted=tp.copies)
-    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size(), tp.size))
+    sync.declare([m.entries for m in dense], [m.group.reduce_dtype for m in dense], uncounted=tp.copies)
+    expert_sync, ep = None, 1
+    if experts is not None:
+        assert expert_mesh is not None
+        e_replicate, _, ep = experts
+        mine = [m for m in modules if m.expert]
+        if not mine:
+            raise ValueError(f"register_edgc was given an expert_mesh, but no FSDPModule is sharded on "
+                             f"expert_mesh[{shard_dim!r}]: fully_shard(block.mlp.experts, "
+                             f"mesh=expert_mesh[{shard_dim!r}]) before the blocks")
+        expert_sync = GradientSync(e_replicate.get_group(), config, eager=True,
+                                   control_group=_stage_group(expert_mesh, (replicate_dim, shard_dim)))
+        expert_sync.declare([m.entries for m in mine], [m.group.reduce_dtype for m in mine])
+        gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"
+        for m, module in zip(hooked, modules, strict=True):
+            if module.expert:  # (the expert all-reduce spans replicas / ep: see edgc.moe)
+                m.set_gradient_divide_factor(float(shard_mesh.size() * ep))
+                if gloo and shard_mesh.size() > 1:  # (gloo has no pre-multiplied sum: sum, then divide)
+                    m.set_force_sum_reduction_for_comms(True)
+    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size(), tp.size), expert_sync, ep)
     for index, m in enumerate(hooked):
         m.set_all_reduce_hook(functools.partial(state._hook, index))
-    logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards x %s TP ranks", len(modules), *state.layout)
+    logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards x %s TP ranks, %s EP ranks", len(modules),
+                *state.layout, ep)
     return state
 

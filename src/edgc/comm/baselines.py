@@ -131,6 +131,11 @@ class NativeHSDPState(_CountersOnly):
         super().__init__(process_group)
         self.modules = modules  # the hooked modules: one call each per step
         self._calls = 0
+        self.expert_state: NativeHSDPState | None = None  # the experts' counters (edgc.fsdp.count_native_hsdp)
+
+    def expert_stats(self) -> Any:
+        """The experts' counters (their own all-reduce), or None without experts."""
+        return self.expert_state.stats() if self.expert_state is not None else None
 
     def count(self, output: torch.Tensor) -> None:
         nbytes = output.numel() * output.element_size()

@@ -136,5 +136,11 @@ def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future
                          "their ranks apart; shard it with FSDP2 instead (fully_shard on a shard mesh of size 1 is "
                          "fine) and call edgc.fsdp.register_edgc(model, mesh['replicate', 'shard'], config), as "
                          "docs/tensor-parallel.md shows")
+    if state.sync.collectives.bound is None and any(getattr(p, "_edgc_expert_parallel", False) for p in params):
+        # (edgc.moe.parallelize_experts marks the parameters it splits)
+        raise ValueError("EDGC does not average experts split over expert-parallel ranks under DDP (DDP would "
+                         "average them over every replica); shard the model with FSDP2, the experts on their own "
+                         "mesh, and call edgc.fsdp.register_edgc(model, mesh, config, expert_mesh=...), as "
+                         "docs/moe.md shows")
     state.sync.receive(bucket.buffer(), [(id(p), tuple(p.shape)) for p in params], future, bucket.is_last())
     return future

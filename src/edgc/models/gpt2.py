@@ -8,6 +8,8 @@ There is no distributed code here. Data parallelism wraps the plain module, and 
 pieces a pipeline split needs are separate attributes: `wte`/`wpe` (embeddings), `h`
 (an `nn.ModuleList` of blocks), `ln_f` (final norm) and `lm_head`.
 
+With `n_expert` > 0 every block's MLP is a mixture of routed experts (edgc.models.moe).
+
 Shapes in comments: B batch, T sequence length, C = n_embd, nh = n_head,
 hs = C // nh (head size), V = vocab_size.
 """
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from edgc.models.moe import MoE, expert_width
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,19 @@ class GPTConfig:
     bias: bool = True
     """Biases in Linear layers and LayerNorms, as in GPT-2."""
 
+    n_expert: int = 0
+    """Routed experts in place of every block's MLP (edgc.models.moe); 0: the dense MLP."""
+
+    top_k: int = 2
+    """Experts each token goes to (with n_expert > 0)."""
+
+    expert_width: int | None = None
+    """An expert's hidden width; None: 4 * n_embd / top_k (rounded up to a multiple of 8), so
+    a token's active MLP parameters match the dense block's."""
+
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss added to the training loss (with n_expert > 0)."""
+
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
@@ -65,6 +82,13 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.n_expert < 0 or (self.n_expert and not 1 <= self.top_k <= self.n_expert):
+            raise ValueError(f"GPTConfig needs n_expert >= 0 and, with experts, 1 <= top_k <= n_expert; got "
+                             f"n_expert={self.n_expert}, top_k={self.top_k}")
+        if self.expert_width is not None and self.expert_width <= 0:
+            raise ValueError(f"GPTConfig.expert_width must be positive, got {self.expert_width}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"GPTConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
 # The GPT-2 sizes from Radford et al. 2019 (124M, 345M), and the 2.5B and 12.1B sizes the
@@ -76,6 +100,9 @@ PRESETS: dict[str, GPTConfig] = {
     # "small": ~11M parameters, the largest that trains at a useful pace on a 2-core CPU;
     # its 384-wide matrices compress like real GPT-2 layers do (rank 32 keeps ~10%).
     "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, vocab_size=2048, block_size=256),
+    # mixtures of experts (edgc.models.moe): 8 experts, each token to 2 of them, in every block
+    "tiny-moe": GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=2048, block_size=128, n_expert=8),
+    "small-moe": GPTConfig(n_layer=6, n_head=6, n_embd=384, vocab_size=2048, block_size=256, n_expert=8),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
     "gpt2-345m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024),
     "gpt2-2.5b": GPTConfig(n_layer=52, n_head=24, n_embd=1920, vocab_size=50257, block_size=1024),
@@ -141,7 +168,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        width = expert_width(config.n_embd, config.top_k, config.expert_width)
+        self.mlp: nn.Module = MLP(config) if not config.n_expert else MoE(
+            config.n_embd, config.n_expert, config.top_k, width, config.bias, config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
@@ -184,6 +213,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, MoE):
+            module.init_weights(0.02, 0.02 / math.sqrt(2 * self.config.n_layer))
         # nn.LayerNorm already starts at weight 1, bias 0
 
     def num_parameters(self, exclude_position_embedding: bool = False) -> int:
@@ -202,7 +233,9 @@ class GPT(nn.Module):
 
         Returns (logits, loss): logits (B, T, V) for the token after each position, and the
         mean cross-entropy against `targets` (B, T) as a scalar, or None without targets.
-        Target positions equal to -1 are ignored. Changes nothing.
+        Target positions equal to -1 are ignored. With experts, in training, the loss also
+        holds the load-balancing term (aux_loss_coef times its sum over the blocks), and
+        each MoE counts its assignments (MoE.load); otherwise it changes nothing.
         """
         B, T = idx.shape
         if T > self.config.block_size:
@@ -220,6 +253,10 @@ class GPT(nn.Module):
             loss = F.cross_entropy(
                 logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1
             )
+            if self.training and self.config.n_expert and self.config.aux_loss_coef:
+                aux = [b.mlp.aux_loss for b in self.h if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+                if aux:  # (the load-balancing loss: training only; evaluation reports the LM loss)
+                    loss = loss + self.config.aux_loss_coef * torch.stack(aux).sum().to(loss.dtype)
         return logits, loss
 
 

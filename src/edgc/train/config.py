@@ -52,7 +52,7 @@ class TrainConfig:
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype", "compile",
                                     "emulated_device_ms"),
-        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "sequence_parallel",
+        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "ep", "sequence_parallel",
                                         "vocab_parallel", "pp", "dp", "schedule", "microbatches", "sync_after_send",
                                         "activation_rank"),
         "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "lr_schedule",
@@ -228,6 +228,14 @@ class TrainConfig:
     compresses each TP rank's shards over its own replicate group. The world is replicas *
     dp_shard * tp."""
 
+    ep: int = 1
+    """Expert-parallel ranks, for a preset with experts (tiny-moe, small-moe): each of E
+    adjacent replicas holds n_expert / E of every block's experts, and tokens reach them by
+    all-to-all. The run goes through FSDP2 as with --dp-shard: the dense parameters are
+    averaged over every replica, the experts over the replicas holding the same ones
+    (replicas / E), each group compressed by edgc with its own rank (edgc.moe,
+    docs/moe.md). E must divide the replicas and the experts."""
+
     sequence_parallel: bool = False
     """With tp > 1: split the norms and the residual stream between the blocks on the
     sequence over the TP ranks (torch's SequenceParallel) instead of holding them whole."""
@@ -353,7 +361,7 @@ class TrainConfig:
         self.dac_config()
         if self.microbatches is not None and self.pp == 1:
             bad("microbatches", "splits a pipeline's step: it needs pp > 1")
-        for name in ("pp", "dp_shard", "tp"):
+        for name in ("pp", "dp_shard", "tp", "ep"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
         for name in ("dp", "microbatches", "dp_replicate"):
@@ -380,6 +388,7 @@ class TrainConfig:
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
         self._check_tp(bad)
+        self._check_experts(bad)
         if self.hsdp:
             if self.pp > 1 or (self.dp is not None and (self.tp == 1 or self.dp_replicate is not None)):
                 bad("dp_shard", "HSDP (--dp-shard, --dp-replicate) does not combine with pipelines (--pp, --dp)")
@@ -409,6 +418,23 @@ class TrainConfig:
                 raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
             if self.schedule == "1f1b" and mb < self.pp:
                 raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
+
+    def _check_experts(self, bad: Any) -> None:
+        """Refuse (through `bad`) an expert-parallel setting the run cannot serve."""
+        experts = PRESETS[self.preset].n_expert
+        if self.ep > 1 and not experts:
+            bad("ep", f"splits a model's experts: the {self.preset} preset has none (use tiny-moe or small-moe)")
+        if experts and self.ep > 1 and experts % self.ep:
+            bad("ep", f"must divide the {self.preset} preset's {experts} experts")
+        if experts and self.tp > 1:
+            bad("tp", "tensor parallelism does not split experts yet: use --ep for a preset with experts")
+        if experts and self.pp > 1:
+            bad("pp", "pipelines do not carry the experts' load-balancing loss yet: use --ep for a preset with "
+                      "experts")
+        if experts and self.compile:
+            bad("compile", "is not supported with experts yet (the routing reads token counts on the host)")
+        if self.ep > 1 and self.method not in ("none", "powersgd", "edgc"):
+            bad("method", f"{self.method} is not supported with --ep: use none (native HSDP), powersgd or edgc")
 
     def _check_tp(self, bad: Any) -> None:
         """Refuse (through `bad`) a tensor-parallel setting the run cannot serve."""
@@ -471,13 +497,17 @@ class TrainConfig:
     def hsdp(self) -> bool:
         """Whether the run shards the model with FSDP2 (dp_shard > 1, dp_replicate given, or
         tensor parallelism)."""
-        return self.dp_shard != 1 or self.dp_replicate is not None or (self.tp > 1 and self.pp == 1)
+        return (self.dp_shard != 1 or self.dp_replicate is not None or (self.tp > 1 and self.pp == 1)
+                or self.ep > 1)
 
     def hsdp_layout(self, world: int) -> tuple[int, ...]:
         """(replicate, shard) of an HSDP run on `world` workers, and tp after them when
         tp > 1; raises ValueError unless they use every worker exactly once."""
         given = self.dp_replicate if self.dp_replicate is not None else self.dp
         replicate = given if given is not None else world // (self.dp_shard * self.tp)
+        if replicate >= 1 and replicate * self.dp_shard * self.tp == world and replicate % self.ep:
+            raise ValueError(f"ep({self.ep}) must divide the {replicate} replicas of the {world} workers "
+                             f"(world = replicas * dp_shard({self.dp_shard}))")
         if replicate * self.dp_shard * self.tp != world or replicate < 1:
             name = "dp_replicate" if self.dp_replicate is not None or self.dp is None else "dp"
             tp = f" * tp({self.tp})" if self.tp > 1 else ""

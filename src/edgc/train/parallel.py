@@ -55,6 +55,8 @@ class DataParallel:
     load_weights: Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]], None]  # from a checkpoint
     tp_group: Any = None  # this worker's TP group (tp > 1), else None
     tp_rank: int = 0  # this worker's place in it
+    dispatch: Any = None  # the experts' all-to-all (edgc.moe.ExpertParallel) with --ep > 1, else None
+    experts: tuple[frozenset[int], Any] | None = None  # (ids of the expert parameters, the EP group or None)
 
     @property
     def tp(self) -> int:
@@ -106,6 +108,14 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
     from torch.distributed.fsdp import fully_shard
 
     from edgc.fsdp import count_native_hsdp, register_edgc
+    from edgc.moe import (
+        expert_mesh,
+        expert_parameter_names,
+        moe_layers,
+        parallelize_experts,
+        to_expert_file_layout,
+        to_expert_local_layout,
+    )
     from edgc.train.tensor_parallel import apply_tp, to_file_layout, to_tp_layout
 
     layout = cfg.hsdp_layout(world)
@@ -118,12 +128,22 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
         tp_group, tp_rank = whole["tp"].get_group(), whole["tp"].get_local_rank()
     else:
         mesh = init_device_mesh(device.type, layout, mesh_dim_names=("replicate", "shard"))
-    target = mesh if cfg.method == "none" else mesh["shard"]  # (none: native HSDP on the whole mesh)
+    native = cfg.method == "none"  # (native HSDP on the whole mesh)
+    target = mesh if native else mesh["shard"]
+    sparse, dispatch = None, None
+    if any(True for _ in moe_layers(model)):  # (experts: their own FSDP units, on their own mesh: edgc.moe)
+        sparse = expert_mesh(mesh, cfg.ep)
+        if cfg.ep > 1:
+            dispatch = parallelize_experts(model, sparse["ep"])
     for block in model.h:  # type: ignore[union-attr]
+        if sparse is not None:
+            fully_shard(block.mlp.experts, mesh=sparse["replicate", "shard"] if native else sparse["shard"])
         fully_shard(block, mesh=target)
     fully_shard(model, mesh=target)
-    state = count_native_hsdp(model, mesh) if cfg.method == "none" else register_edgc(model, mesh,
-                                                                                       EDGCConfig(**cfg.edgc))
+    state = count_native_hsdp(model, mesh, expert_mesh=sparse) if native else register_edgc(
+        model, mesh, EDGCConfig(**cfg.edgc), expert_mesh=sparse)
+    names = expert_parameter_names(model) if dispatch is not None else []
+    ep_group = sparse["ep"].get_group() if sparse is not None and cfg.ep > 1 else None
 
     @contextlib.contextmanager
     def sync(last: bool) -> Iterator[None]:
@@ -137,32 +157,61 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
     def weights(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
         # (collectives: every rank gathers; rank 0 gets the full states, the others empty dicts;
         # with TP, c_attn's rows go back to GPT-2's order: edgc.train.tensor_parallel)
+        if ep_group is not None:  # (experts: each EP rank's, made whole over the EP group, on every rank)
+            every = StateDictOptions(full_state_dict=True)
+            return to_expert_file_layout(_on_cpu(get_model_state_dict(module, options=every)),
+                                         _on_cpu(get_optimizer_state_dict(module, opt, options=every)), names, ep_group)
         return to_file_layout(get_model_state_dict(module, options=full),
                               get_optimizer_state_dict(module, opt, options=full), cfg.tp, n_embd)
 
     def load(module: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
         every_rank = StateDictOptions(full_state_dict=True)  # (each rank read the checkpoint itself)
         model_state, opt_state = to_tp_layout(saved["model"], saved["optimizer"], cfg.tp, n_embd)
+        if ep_group is not None:  # (this EP rank's experts)
+            model_state, opt_state = to_expert_local_layout(model_state, opt_state, names, ep_group)
         set_model_state_dict(module, model_state, options=every_rank)
         set_optimizer_state_dict(module, opt, opt_state, options=every_rank)
 
-    return DataParallel(model, state, layout, sync, weights, load, tp_group, tp_rank)
+    held = (frozenset(id(p) for _, m in moe_layers(model) for p in m.experts.parameters()), ep_group)
+    return DataParallel(model, state, layout, sync, weights, load, tp_group, tp_rank, dispatch,
+                        held if sparse is not None else None)
 
 
-def clip_grads(model: torch.nn.Module, max_norm: float, *, tp: int = 1) -> torch.Tensor:
+def _on_cpu(d: Any) -> Any:
+    """A state dict's tensors moved to the CPU (nested dicts and lists followed)."""
+    if isinstance(d, torch.Tensor):
+        return d.cpu()
+    if isinstance(d, dict):
+        return {k: _on_cpu(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_on_cpu(v) for v in d]
+    return d
+
+
+def clip_grads(model: torch.nn.Module, max_norm: float, *, tp: int = 1,
+               experts: tuple[frozenset[int], Any] | None = None) -> torch.Tensor:
     """Scale the gradients so that their total norm is at most `max_norm`; returns the
     norm before (a plain tensor, the same on every worker). With tensor parallelism the
     parameters live on two meshes (shard, and shard x tp), which torch's clip_grad_norm_
     cannot stack: each mesh's norm is made whole (a collective per mesh) and summed
-    here, counting a tensor held whole on every TP rank once."""
-    if tp == 1:
+    here, counting a tensor held whole on every TP rank once. With experts (`experts`:
+    their parameters' ids and the EP group, DataParallel.experts) the experts' part is
+    summed over the EP ranks too, each holding its own experts."""
+    if tp == 1 and experts is None:
         return _whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    ids, ep_group = experts if experts is not None else (frozenset(), None)
+    by_mesh: dict[tuple[bool, Any], list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    squares = [_whole(torch.nn.utils.get_total_norm(grads)).square() for _, grads in sorted(
-        by_mesh.items(), key=lambda kv: tuple(kv[0].mesh_dim_names or ()) if kv[0] is not None else ())]
+            by_mesh.setdefault((id(p) in ids, getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    squares = []
+    for (expert, _), grads in sorted(by_mesh.items(), key=lambda kv: (kv[0][0], tuple(
+            kv[0][1].mesh_dim_names or ()) if kv[0][1] is not None else ())):
+        square = _whole(torch.nn.utils.get_total_norm(grads)).square()
+        if expert and ep_group is not None:
+            # collective: all-reduce SUM of one float over the EP group (each rank's own experts)
+            dist.all_reduce(square, group=ep_group)
+        squares.append(square)
     norm = torch.stack(squares).sum().sqrt()
     coef = float(max_norm) / (float(norm) + 1e-6)
     if coef < 1.0:

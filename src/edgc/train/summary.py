@@ -37,6 +37,12 @@ class RunSummary:
     final_rank: int
     final_val_loss_se: float = math.nan
     """Standard error of final_val_loss (NaN for runs logged before it was recorded)."""
+    total_expert_bytes: int = 0
+    """The part of total_bytes that averaged the experts' gradients (models with experts)."""
+    total_a2a_bytes: int = 0
+    """Bytes a worker sent on average to the experts' all-to-alls (activations; not in total_bytes)."""
+    mean_busiest_share: float = math.nan
+    """The busiest expert's share of the assignments, averaged over the steps (1/E: balanced)."""
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -77,6 +83,10 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
         mean_tokens_per_s=sum(r["tokens_per_s"] for r in timed) / len(timed),
         final_rank=train[-1]["rank"],
         final_val_loss_se=last_se if last_se is not None else math.nan,
+        total_expert_bytes=sum(r.get("expert_bytes", 0) for r in train),
+        total_a2a_bytes=sum(r.get("a2a_bytes", 0) for r in train),
+        mean_busiest_share=(sum(r["busiest_expert_share"] for r in train) / len(train)
+                            if all("busiest_expert_share" in r for r in train) else math.nan),
     )
 
 
@@ -273,6 +283,12 @@ def write_summary(run_dir: str | Path) -> Path:
         bytes_line = (f"Bytes: {s.total_bytes / 1e6:.1f} MB sent per replica (all its stages and TP ranks) against "
                       f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce "
                       f"({ratio:.2f}x fewer).\n\n")
+    if math.isfinite(s.mean_busiest_share):
+        bytes_line += (f"Experts: {s.total_expert_bytes / 1e6:.1f} MB of those bytes averaged the experts' gradients, "
+                       f"{(s.total_bytes - s.total_expert_bytes) / 1e6:.1f} MB the dense parameters'; the tokens' "
+                       f"all-to-all sent {s.total_a2a_bytes / 1e6:.1f} MB per worker besides (activations, not "
+                       f"compressed); the busiest expert took {s.mean_busiest_share:.1%} of the assignments on "
+                       f"average.\n\n")
     text = (
         f"# Run {run_dir.name}\n\n"
         f"{config['method']} on {config['preset']}, {_layout(config)}, {s.steps} steps.\n\n"

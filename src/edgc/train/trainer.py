@@ -479,6 +479,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * replicas
     prev = hook_state.stats()
+    prev_experts = _expert_stats(hook_state)
+    moe = model.config.n_expert > 0
     skipped = 0
     guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None,
                             loss_scaled=precision.scaler.is_enabled())
@@ -494,6 +496,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             tell_learning_rate(hook_state, lr)
             t0 = time.perf_counter()
             loss_sum.zero_()
+            if run.dispatch is not None:
+                run.dispatch.reset()  # (the evaluation's all-to-alls are not the step's)
             for micro, (x, y) in enumerate(stream.step(replicas, cfg.grad_accum, replica, device)):
                 with run.sync(micro == cfg.grad_accum - 1):
                     with precision.autocast():
@@ -501,7 +505,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                     precision.scaler.scale(loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().double() / cfg.grad_accum
             precision.scaler.unscale_(opt)  # (a no-op without fp16)
-            norm = clip_grads(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf, tp=run.tp)
+            norm = clip_grads(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf, tp=run.tp, experts=run.experts)
             if torch.isfinite(norm):
                 precision.scaler.step(opt)
             else:  # the hook passed inf/nan through; skip the update on every replica alike
@@ -518,6 +522,12 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             stats = hook_state.stats()
             sent, whole = replica_bytes(run, stats.bytes_sent - prev.bytes_sent,
                                         stats.bytes_uncompressed - prev.bytes_uncompressed)
+            experts: dict[str, Any] = {}
+            if moe:
+                experts, prev_experts = expert_record(model, hook_state, prev_experts, run.dispatch, world, device)
+                experts["dense_bytes"] = sent
+                sent += experts["expert_bytes"]
+                whole += experts.pop("expert_bytes_uncompressed")
             record = {
                 "step": step, "kind": "train", "loss": float(loss_sum) / world, "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
@@ -526,7 +536,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 "entropy_time": stats.entropy_seconds - prev.entropy_seconds,
                 "bytes_sent": sent, "bytes_uncompressed": whole,
                 "rank": stats.step_rank, "entropy": stats.entropy, "phase": stats.step_phase,
-                "grad_norm": float(norm), "skipped": skipped, **window_signals(stats),
+                "grad_norm": float(norm), "skipped": skipped, **window_signals(stats), **experts,
             }
             prev = stats
             val = None
@@ -552,6 +562,38 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
 
 
+def _expert_stats(hook_state: Any) -> Any:
+    """The experts' counters of a state that has them (edgc.fsdp with experts), else None."""
+    get = getattr(hook_state, "expert_stats", None)
+    return get() if get is not None else None
+
+
+def expert_record(model: torch.nn.Module, hook_state: Any, prev: Any, dispatch: Any, world: int,
+                  device: torch.device) -> tuple[dict[str, Any], Any]:
+    """A step's figures of a model with experts, for its metrics record: "expert_bytes"
+    (this worker's sends averaging the experts' gradients; "expert_bytes_uncompressed"
+    for the record's totals), "expert_rank" (the rank they were sent at, 0 uncompressed),
+    "a2a_bytes" (the tokens' all-to-alls, a worker's mean),
+    "expert_tokens" (assignments each expert received, every worker and block together)
+    and "busiest_expert_share"; and the experts' counters now (the next step's `prev`)."""
+    from edgc.moe import busiest_share, load_counts
+
+    stats = _expert_stats(hook_state)
+    sent = stats.bytes_sent - prev.bytes_sent if stats is not None else 0
+    whole = stats.bytes_uncompressed - prev.bytes_uncompressed if stats is not None else 0
+    load = load_counts(model)
+    assert load is not None  # (a model with experts)
+    a2a = dispatch.reset() if dispatch is not None else 0
+    both = torch.cat([load.to(device), torch.tensor([a2a], dtype=torch.int64, device=device)])
+    # collective (metrics only): all-reduce SUM of the experts' counts and the all-to-all bytes, (E + 1) int64
+    dist.all_reduce(both)
+    load = both[:-1].cpu()
+    record = {"expert_bytes": sent, "expert_bytes_uncompressed": whole, "a2a_bytes": int(both[-1]) // world,
+              "expert_tokens": load.tolist(), "busiest_expert_share": busiest_share(load),
+              "expert_rank": stats.step_rank if stats is not None else 0}
+    return record, stats
+
+
 def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, hook_state: Any,
                   device: torch.device) -> dict[str, Any]:
     """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
@@ -567,6 +609,8 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
     held = sum(local(p) for p in model.parameters())
     held += sum(local(v) for state in opt.state.values() for v in state.values())
     compression = int(getattr(hook_state.stats(), "state_bytes", 0))  # (EDGCStats.state_bytes; 0 for the others)
+    experts = _expert_stats(hook_state)
+    compression += int(getattr(experts, "state_bytes", 0)) if experts is not None else 0
     held += compression
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
