@@ -104,7 +104,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # (N, C)
-        probs = self.router(tokens).float().softmax(dim=-1)  # (N, E), in float32 whatever x's dtype
+        logits = self.router(tokens)  # (N, E)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # (at least float32)
         weights, ids = probs.topk(self.top_k, dim=-1)  # (N, k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         ids = ids.reshape(-1)  # (A,): assignment a is token a // k

@@ -1,8 +1,9 @@
 """What the data-parallel and the pipeline trainers share: schedule, optimiser groups,
-model identity for checkpoints, and restoring one rank's state on resume."""
+model identity for checkpoints, restoring one rank's state on resume, and the precision recipe."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -26,9 +27,9 @@ logger = logging.getLogger(__name__)
 #: Loads a checkpoint's {"model", "optimizer"} into a module and its optimiser.
 LoadWeights = Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None]
 
-__all__ = ["DivergenceGuard", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights", "lr_at",
-           "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized", "restore_resized_stage",
-           "resumed_stream", "tell_learning_rate", "window_signals"]
+__all__ = ["DivergenceGuard", "Precision", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights",
+           "lr_at", "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized",
+           "restore_resized_stage", "resumed_stream", "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -285,3 +286,30 @@ def resumed_stream(ckpt: dict[str, Any], tokens: Any, cfg: Any, *, replica_ranks
     states = [ckpt["replicas"][r]["generator"] for r in replica_ranks]
     return BatchStream.from_replica_generators(tokens, cfg.batch_size, cfg.block_size, seed=cfg.seed, states=states,
                                                step=int(ckpt["step"]), accum=accum)
+
+
+class Precision:
+    """Autocast and, for fp16, a GradScaler: torch's AMP recipe for one training run."""
+
+    def __init__(self, dtype: str, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device_type = device.type
+        self.cast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+
+    def autocast(self) -> Any:
+        if self.cast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.cast)
+
+    def tell(self, hook_state: Any) -> None:
+        """Give the hook the loss scale the next gradients carry (fp16 only)."""
+        if self.scaler.is_enabled() and hasattr(hook_state, "set_grad_scale"):
+            hook_state.set_grad_scale(self.scaler.get_scale())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, d: dict[str, Any] | None) -> None:
+        if d:
+            self.scaler.load_state_dict(d)

@@ -14,7 +14,6 @@ parameters and gradients, and for fp16 a GradScaler whose scale the EDGC state i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -40,6 +39,7 @@ from edgc.train.checkpoint import (
 )
 from edgc.train.common import (
     DivergenceGuard,
+    Precision,
     TrainingDiverged,
     compile_blocks,
     lr_at,
@@ -55,6 +55,7 @@ from edgc.train.common import (
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
+from edgc.train.experts import expert_record, expert_stats
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
 from edgc.train.parallel import DataParallel, clip_grads, data_parallel, replica_bytes
@@ -399,33 +400,6 @@ def worker_device(device: str) -> torch.device:
     return gpu
 
 
-class Precision:
-    """Autocast and, for fp16, a GradScaler: torch's AMP recipe for one training run."""
-
-    def __init__(self, dtype: str, device: torch.device) -> None:
-        self.dtype = dtype
-        self.device_type = device.type
-        self.cast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
-
-    def autocast(self) -> Any:
-        if self.cast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.cast)
-
-    def tell(self, hook_state: Any) -> None:
-        """Give the hook the loss scale the next gradients carry (fp16 only)."""
-        if self.scaler.is_enabled() and hasattr(hook_state, "set_grad_scale"):
-            hook_state.set_grad_scale(self.scaler.get_scale())
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, d: dict[str, Any] | None) -> None:
-        if d:
-            self.scaler.load_state_dict(d)
-
-
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
     """One replica's training loop from the start, or from the checkpoint file `resume`.
     Rank 0 writes metrics and checkpoints. Returns {"skipped", "stats", "diverged"}:
@@ -479,7 +453,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     display = ProgressDisplay(cfg.steps, start, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * replicas
     prev = hook_state.stats()
-    prev_experts = _expert_stats(hook_state)
+    prev_experts = expert_stats(hook_state)
     moe = model.config.n_expert > 0
     skipped = 0
     guard = DivergenceGuard(cfg.max_nonfinite_steps, cfg.out, start if resume else None,
@@ -562,38 +536,6 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
 
 
-def _expert_stats(hook_state: Any) -> Any:
-    """The experts' counters of a state that has them (edgc.fsdp with experts), else None."""
-    get = getattr(hook_state, "expert_stats", None)
-    return get() if get is not None else None
-
-
-def expert_record(model: torch.nn.Module, hook_state: Any, prev: Any, dispatch: Any, world: int,
-                  device: torch.device) -> tuple[dict[str, Any], Any]:
-    """A step's figures of a model with experts, for its metrics record: "expert_bytes"
-    (this worker's sends averaging the experts' gradients; "expert_bytes_uncompressed"
-    for the record's totals), "expert_rank" (the rank they were sent at, 0 uncompressed),
-    "a2a_bytes" (the tokens' all-to-alls, a worker's mean),
-    "expert_tokens" (assignments each expert received, every worker and block together)
-    and "busiest_expert_share"; and the experts' counters now (the next step's `prev`)."""
-    from edgc.moe import busiest_share, load_counts
-
-    stats = _expert_stats(hook_state)
-    sent = stats.bytes_sent - prev.bytes_sent if stats is not None else 0
-    whole = stats.bytes_uncompressed - prev.bytes_uncompressed if stats is not None else 0
-    load = load_counts(model)
-    assert load is not None  # (a model with experts)
-    a2a = dispatch.reset() if dispatch is not None else 0
-    both = torch.cat([load.to(device), torch.tensor([a2a], dtype=torch.int64, device=device)])
-    # collective (metrics only): all-reduce SUM of the experts' counts and the all-to-all bytes, (E + 1) int64
-    dist.all_reduce(both)
-    load = both[:-1].cpu()
-    record = {"expert_bytes": sent, "expert_bytes_uncompressed": whole, "a2a_bytes": int(both[-1]) // world,
-              "expert_tokens": load.tolist(), "busiest_expert_share": busiest_share(load),
-              "expert_rank": stats.step_rank if stats is not None else 0}
-    return record, stats
-
-
 def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, hook_state: Any,
                   device: torch.device) -> dict[str, Any]:
     """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
@@ -609,7 +551,7 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
     held = sum(local(p) for p in model.parameters())
     held += sum(local(v) for state in opt.state.values() for v in state.values())
     compression = int(getattr(hook_state.stats(), "state_bytes", 0))  # (EDGCStats.state_bytes; 0 for the others)
-    experts = _expert_stats(hook_state)
+    experts = expert_stats(hook_state)
     compression += int(getattr(experts, "state_bytes", 0)) if experts is not None else 0
     held += compression
     if device.type == "cuda":
