@@ -13,6 +13,7 @@ from edgc.bench.simulate.gpu import GPUS, RooflineModel, find_gpu
 from edgc.bench.simulate.layout import LAYOUTS
 from edgc.bench.simulate.memory import DTYPES, check_layout, memory_report, named_model
 from edgc.bench.simulate.model import SimOptions, parse_schedule, simulate
+from edgc.bench.simulate.moe import MOE_MODELS, check_tokens, format_moe, moe_traffic
 from edgc.bench.simulate.profile import CostProfile, DeviceTimer
 from edgc.bench.simulate.report import format_projection
 from edgc.models.gpt2 import PRESETS
@@ -29,7 +30,8 @@ examples:
   edgc simulate --cluster paper-2.5b --device cuda --save-profile p.json
                                                                      costs timed on this GPU, and saved
   edgc simulate --cluster my-cluster.toml --profile p.json           a cluster of your own, saved costs
-  edgc simulate --memory --gpt 32,4096 --dp-shard 8                  edgc's state per GPU: a 6.7B GPT, HSDP"""
+  edgc simulate --memory --gpt 32,4096 --dp-shard 8                  edgc's state per GPU: a 6.7B GPT, HSDP
+  edgc simulate --cluster paper-12.1b --moe mixtral-8x7b --ep 8      a mixture of experts' traffic, by kind"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +75,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply compression/entropy times by this (default: 1.0, as modelled or measured)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per shape and rank (--device only)")
+    moe = p.add_argument_group("mixture of experts", "--moe prints a step's traffic per GPU of a mixture of "
+                               "experts on the cluster's GPUs, by kind, and nothing else (docs/moe.md)")
+    moe.add_argument("--moe", choices=sorted(MOE_MODELS), default=None,
+                     help="a public mixture-of-experts configuration, trained data-parallel on every GPU of the "
+                          "cluster")
+    moe.add_argument("--ep", type=int, default=8, help="expert-parallel GPUs (inside a node up to gpus_per_node)")
+    moe.add_argument("--moe-tokens", type=int, default=65536, help="tokens a GPU a step")
     mem = p.add_argument_group("memory", "--memory prints the bytes edgc's hook state takes per GPU, and nothing else")
     mem.add_argument("--memory", action="store_true",
                      help="print the hook state's bytes per GPU for the model and layout (no projection)")
@@ -142,6 +151,14 @@ def run(args: argparse.Namespace) -> int:
     FileNotFoundError for bad input (the CLI prints them).
     """
     cluster = load_cluster(args.cluster)
+    if args.moe is not None:
+        traffic = moe_traffic(MOE_MODELS[args.moe], cluster, ep=args.ep, tokens=check_tokens(args.moe_tokens),
+                              rank=args.rank_max)
+        print(format_moe([traffic]), end="")
+        return 0
+    if PRESETS[args.preset or cluster.preset].n_expert:
+        raise ValueError(f"edgc simulate projects dense models; {args.preset or cluster.preset} has experts: use "
+                         "--moe NAME for a mixture of experts' traffic by kind (docs/moe.md)")
     if args.memory:
         return _memory(args, cluster)
     if args.gpt is not None or args.tp is not None or args.pp is not None or args.dp_shard != 1:
