@@ -43,6 +43,8 @@ WARMUP_ERROR_NORMS = ("relative", "l1")
 SYNC_MODES = ("pipelined", "whole-step")
 #: The formats the low-rank factors travel in (EDGCConfig.wire; edgc.comm.wire).
 WIRE_FORMATS = ("native", "bf16", "int8", "fp8")
+#: The formats the experts' all-to-all may travel in (edgc.moe.ExpertParallel, edgc train --ep-wire).
+EP_WIRES = ("native", "int8")
 #: The dtype the error feedback and Q are kept in between steps (EDGCConfig.state_dtype).
 STATE_DTYPES = ("native", "float32", "bf16")
 #: How P is orthonormalised in the round (EDGCConfig.orthogonalization; edgc.compress.orthogonalize_).

@@ -45,10 +45,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from edgc.comm.wire import BLOCK, codec, dequantize, quantize
+from edgc.config import EP_WIRES
 from edgc.models.moe import Experts, MoE
 
-__all__ = ["ExpertParallel", "busiest_share", "expert_mesh", "expert_parameter_names", "load_counts", "moe_layers",
-           "parallelize_experts", "to_expert_file_layout", "to_expert_local_layout"]
+__all__ = ["EP_WIRES", "ExpertParallel", "busiest_share", "expert_mesh", "expert_parameter_names", "load_counts",
+           "moe_layers", "parallelize_experts", "to_expert_file_layout", "to_expert_local_layout"]
 
 
 class ExpertParallel:
@@ -57,25 +59,40 @@ class ExpertParallel:
     the experts there, and back (all-to-all with the splits swapped); both are
     differentiable, and the backward pass sends the gradients the same way.
 
+    `wire` "int8" sends the hidden states and their gradients as edgc's int8 wire does
+    the gradient (edgc.comm.wire: a byte a value and a bfloat16 scale a block of 32, each
+    row its own blocks; the width must be a multiple of 32); "native" as they are.
+
     `bytes_sent` counts the bytes this process handed to the all-to-alls for other ranks
     (rows to itself are a local copy, not counted): the forward dispatch and combine,
     the same again in the backward pass when gradients are wanted, and the count
     exchange; `reset()` returns and zeroes it."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, wire: str = "native") -> None:
+        if wire not in EP_WIRES:
+            raise ValueError(f"the experts' all-to-all wire must be one of {EP_WIRES}, got {wire!r}")
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.wire = wire
         self.bytes_sent = 0
 
     def reset(self) -> int:
         sent, self.bytes_sent = self.bytes_sent, 0
         return sent
 
-    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def _all_to_all(self, x: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
+        if self.wire == "int8":
+            return _QuantizedAllToAll.apply(x, recv, send, self.group)
         from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+        return wait_tensor(all_to_all_single_autograd(x, recv, send, self.group))
+
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         ep, local = self.size, experts.count
+        if self.wire == "int8" and routed.shape[-1] % BLOCK:
+            raise ValueError(f"the int8 all-to-all needs a width that is a multiple of {BLOCK}, "
+                             f"got {routed.shape[-1]}")
         # collective: all-to-all of the E assignment counts (E int64): rank j receives every
         # rank's counts for the experts it holds, (ep, E')
         received = torch.empty_like(counts)
@@ -84,17 +101,56 @@ class ExpertParallel:
         send, by_source = host[:ep], torch.tensor(host[ep:]).view(ep, local)  # rows to each rank; [i, e]
         recv = by_source.sum(dim=1).tolist()  # rows from each rank
         # collective: all-to-all of the assignments' hidden states (rows of C), uneven splits
-        x = wait_tensor(all_to_all_single_autograd(routed, recv, send, self.group))  # rank-major: (i, e) blocks
+        x = self._all_to_all(routed, recv, send)  # rank-major: (i, e) blocks
         order = _expert_major(by_source).to(x.device)
         y = experts(x[order], by_source.sum(dim=0).tolist())  # sorted by local expert
         back = torch.empty_like(y).index_copy_(0, order, y)  # rank-major again
         # collective: all-to-all of the experts' outputs back to their tokens (splits swapped)
-        out = wait_tensor(all_to_all_single_autograd(back, send, recv, self.group))
-        row = routed.shape[-1] * routed.element_size()
+        out = self._all_to_all(back, send, recv)
+        width = routed.shape[-1]
+        row = _row_bytes(width) if self.wire == "int8" else width * routed.element_size()
         others = (sum(send) - send[self.rank]) + (sum(recv) - recv[self.rank])  # dispatch + combine
         passes = 2 if torch.is_grad_enabled() and routed.requires_grad else 1
         self.bytes_sent += others * row * passes + (ep - 1) * local * counts.element_size()
         return out
+
+
+def _row_bytes(width: int) -> int:
+    """Bytes of one row of `width` values in the int8 wire: its codes and its blocks' scales."""
+    return width + 2 * (width // BLOCK)
+
+
+def _quantized_all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup
+                          ) -> torch.Tensor:
+    """Rows of x (M, C) sent as int8 codes with a bfloat16 scale a block of 32 (each row its
+    own blocks, packed with its scales), `send[j]` rows to rank j; the received rows,
+    dequantized into x's dtype."""
+    code = codec("int8")
+    assert code is not None
+    rows, width = x.shape
+    packed = quantize(x.detach().reshape(-1), code)  # (codes of every row, then every block's scale)
+    per_row = torch.cat([packed[: rows * width].view(rows, width),
+                         packed[rows * width:].view(rows, -1)], dim=1)  # (M, row bytes)
+    got = torch.empty((sum(recv), per_row.shape[1]), dtype=torch.uint8, device=x.device)
+    # collective: all-to-all of the packed rows (uint8), uneven splits
+    dist.all_to_all_single(got, per_row, output_split_sizes=recv, input_split_sizes=send, group=group)
+    n = got.shape[0] * width
+    flat = torch.cat([got[:, :width].reshape(-1), got[:, width:].reshape(-1)])
+    return dequantize(flat, n, code, x.dtype).view(-1, width)
+
+
+class _QuantizedAllToAll(torch.autograd.Function):
+    """The int8 all-to-all, and in the backward pass the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup
+                ) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _quantized_all_to_all(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _quantized_all_to_all(grad.contiguous(), ctx.send, ctx.recv, ctx.group), None, None, None
 
 
 def _expert_major(by_source: torch.Tensor) -> torch.Tensor:
@@ -142,19 +198,21 @@ def expert_mesh(dense: DeviceMesh, ep: int, *, replicate_dim: str = "replicate",
                             mesh_dim_names=(replicate_dim, "ep", shard_dim))
 
 
-def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh | dist.ProcessGroup) -> ExpertParallel:
+def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh | dist.ProcessGroup, *,
+                        wire: str = "native") -> ExpertParallel:
     """Split every MoE layer's experts over the EP group (a 1-D mesh, e.g. expert_mesh(...)
     ["ep"], or a process group): EP rank j keeps experts j * E/ep to (j + 1) * E/ep - 1 of
     the weights built (so a model built with one seed everywhere splits into the same
     experts as a one-process run), and its tokens travel by all-to-all. Call it before
-    fully_shard. Returns the dispatch (its `bytes_sent`). Raises ValueError on a model
-    without MoE layers, or an expert count ep does not divide."""
+    fully_shard. `wire`: the format the tokens travel in (ExpertParallel). Returns the
+    dispatch (its `bytes_sent`). Raises ValueError on a model without MoE layers, or an
+    expert count ep does not divide."""
     group = ep_mesh.get_group() if isinstance(ep_mesh, DeviceMesh) else ep_mesh
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = list(moe_layers(model))
     if not layers:
         raise ValueError("parallelize_experts found no MoE layer in the model (GPTConfig.n_expert = 0?)")
-    dispatch = ExpertParallel(group)
+    dispatch = ExpertParallel(group, wire)
     for name, moe in layers:
         experts = moe.experts
         if experts.first or experts.count != moe.n_expert:
@@ -165,6 +223,7 @@ def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh | dist.ProcessGrou
         for pname, p in list(experts.named_parameters(recurse=False)):
             split = nn.Parameter(p.detach()[rank * share:(rank + 1) * share].clone(), requires_grad=p.requires_grad)
             split._edgc_expert_parallel = True  # type: ignore[attr-defined]  # (DDP's edgc hook refuses these)
+            split._edgc_stacked_experts = True  # type: ignore[attr-defined]
             setattr(experts, pname, split)
         experts.first = rank * share
         moe.dispatch = dispatch

@@ -141,3 +141,23 @@ def test_edgc_train_ep2_compresses_both_groups_and_resumes_exactly(tmp_path, dat
     cb = torch.load(part / CHECKPOINT_NAME, weights_only=False)
     assert_same(ca["model"], cb["model"], "model")
     assert "Experts:" in (tmp_path / "straight" / "summary.md").read_text()
+
+
+def test_edgc_train_without_ep_compresses_each_expert_as_a_matrix_under_ddp(tmp_path, data_dir):
+    # (a stacked [8, 256, 128] weight viewed as one 8 x 32768 matrix would not shrink at any rank)
+    records = _train(data_dir, tmp_path / "ddp", "--method", "edgc", "--steps", "6", "--eval-every", "6",
+                     "--edgc-warmup-steps", "2", "--edgc-warmup", "fixed", "--edgc-max-rank", "4")
+    train = [r for r in records if r["kind"] == "train"]
+    assert all("expert_bytes" not in r and r["a2a_bytes"] == 0 for r in train)  # (one core; no all-to-all)
+    assert all(r["bytes_sent"] < 0.2 * r["bytes_uncompressed"] for r in train[2:])
+
+
+def test_the_int8_all_to_all_sends_a_quarter_of_the_bytes_and_trains_alike(tmp_path, data_dir):
+    steps = ["--method", "none", "--ep", "2", "--steps", "4", "--eval-every", "4"]
+    native = _train(data_dir, tmp_path / "native", *steps)
+    int8 = _train(data_dir, tmp_path / "int8", *steps, "--ep-wire", "int8")
+    a, b = sum(_col(native, "a2a_bytes")), sum(_col(int8, "a2a_bytes"))
+    # a row of 128 float32 values (512 bytes) against 128 codes and 4 bfloat16 scales (136),
+    # besides the count exchange, the same in both
+    assert b / a == pytest.approx(136 / 512, rel=0.02)
+    assert _col(int8, "loss") == pytest.approx(_col(native, "loss"), rel=2e-3)

@@ -81,7 +81,7 @@ def test_the_load_balancing_loss_is_switchs_and_trains_only():
     model.train()
     _, trained = model(idx, idx)
     aux = sum(float(b.mlp.aux_loss.detach()) for b in model.h)
-    assert float(trained) == pytest.approx(float(plain) + 0.5 * aux, rel=1e-6)
+    assert float(trained.detach()) == pytest.approx(float(plain.detach()) + 0.5 * aux, rel=1e-6)
 
 
 def test_tiny_moe_keeps_a_tokens_active_mlp_the_dense_width():
@@ -126,6 +126,8 @@ def test_a_bad_expert_shape_is_refused(values, message):
     (dict(preset="tiny-moe", compile=True), "compile=True: is not supported with experts yet"),
     (dict(preset="tiny-moe", ep=2, nproc=3), r"ep\(2\) must divide the 3 replicas"),
     (dict(preset="tiny-moe", ep=2, method="torch-powersgd"), "not supported with --ep"),
+    (dict(preset="tiny-moe", ep_wire="int8"), "ep_wire='int8': sets the experts' all-to-all: it needs ep > 1"),
+    (dict(preset="tiny-moe", ep=2, ep_wire="fp8"), "ep_wire"),
 ])
 def test_a_bad_expert_layout_is_refused_in_one_line(options, message):
     with pytest.raises(ValueError, match=message):

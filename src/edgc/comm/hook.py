@@ -142,5 +142,18 @@ def edgc_hook(state: EDGCState, bucket: dist.GradBucket) -> torch.futures.Future
                          "average them over every replica); shard the model with FSDP2, the experts on their own "
                          "mesh, and call edgc.fsdp.register_edgc(model, mesh, config, expert_mesh=...), as "
                          "docs/moe.md shows")
-    state.sync.receive(bucket.buffer(), [(id(p), tuple(p.shape)) for p in params], future, bucket.is_last())
+    state.sync.receive(bucket.buffer(), _entries(params), future, bucket.is_last())
     return future
+
+
+def _entries(params: list[torch.Tensor]) -> list[tuple[Any, tuple[int, ...]]]:
+    """A bucket's tensors for the core, in order: each parameter whole, but a stack of
+    experts' weights [E, out, in] (edgc.models.moe) as E matrices of (out, in), which the
+    round compresses in one batch ([E, out]: E vectors, sent whole)."""
+    out: list[tuple[Any, tuple[int, ...]]] = []
+    for p in params:
+        if getattr(p, "_edgc_stacked_experts", False) and p.dim() >= 2:
+            out += [((id(p), e), tuple(p.shape[1:])) for e in range(p.shape[0])]
+        else:
+            out.append((id(p), tuple(p.shape)))
+    return out

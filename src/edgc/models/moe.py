@@ -50,6 +50,8 @@ class Experts(nn.Module):
         self.w_proj = nn.Parameter(torch.empty(n_expert, n_embd, width))
         self.b_fc = nn.Parameter(torch.zeros(n_expert, width)) if bias else None
         self.b_proj = nn.Parameter(torch.zeros(n_expert, n_embd)) if bias else None
+        for p in self.parameters():  # (edgc's DDP hook compresses a stacked weight as E' matrices)
+            p._edgc_stacked_experts = True  # type: ignore[attr-defined]
 
     @property
     def count(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from edgc.config import MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal
+from edgc.config import EP_WIRES, MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal
 from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
@@ -46,15 +46,16 @@ class TrainConfig:
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "preset": tuple(PRESETS), "method": METHODS, "device": DEVICES, "dtype": DTYPES,
         "tokenizer": TOKENIZERS, "schedule": SCHEDULES, "log": LOGS, "lr_schedule": LR_SCHEDULES,
+        "ep_wire": EP_WIRES,
     }
     #: How `edgc train --help` groups the fields, each field in one group, in this order
     #: (the "edgc" and "dac" tables have groups of their own).
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype", "compile",
                                     "emulated_device_ms"),
-        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "ep", "sequence_parallel",
-                                        "vocab_parallel", "pp", "dp", "schedule", "microbatches", "sync_after_send",
-                                        "activation_rank"),
+        "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "ep", "ep_wire",
+                                        "sequence_parallel", "vocab_parallel", "pp", "dp", "schedule", "microbatches",
+                                        "sync_after_send", "activation_rank"),
         "optimisation": ("steps", "stop_after", "batch_size", "grad_accum", "block_size", "lr", "lr_schedule",
                          "min_lr", "lr_warmup_steps", "lr_drop_steps", "lr_drop_gamma", "weight_decay", "grad_clip",
                          "seed", "max_nonfinite_steps"),
@@ -235,6 +236,11 @@ class TrainConfig:
     averaged over every replica, the experts over the replicas holding the same ones
     (replicas / E), each group compressed by edgc with its own rank (edgc.moe,
     docs/moe.md). E must divide the replicas and the experts."""
+
+    ep_wire: str = "native"
+    """With ep > 1, the format the experts' all-to-all sends the tokens' hidden states and
+    their gradients in: "native" (as computed) or "int8" (a byte a value and a bfloat16
+    scale a block of 32, as edgc's int8 wire; edgc.moe.ExpertParallel)."""
 
     sequence_parallel: bool = False
     """With tp > 1: split the norms and the residual stream between the blocks on the
@@ -433,6 +439,8 @@ class TrainConfig:
                       "experts")
         if experts and self.compile:
             bad("compile", "is not supported with experts yet (the routing reads token counts on the host)")
+        if self.ep_wire != "native" and self.ep == 1:
+            bad("ep_wire", "sets the experts' all-to-all: it needs ep > 1")
         if self.ep > 1 and self.method not in ("none", "powersgd", "edgc"):
             bad("method", f"{self.method} is not supported with --ep: use none (native HSDP), powersgd or edgc")
 

@@ -21,9 +21,10 @@ def expert_stats(hook_state: Any) -> Any:
 
 def expert_record(model: torch.nn.Module, hook_state: Any, prev: Any, dispatch: Any, world: int,
                   device: torch.device) -> tuple[dict[str, Any], Any]:
-    """A step's figures of a model with experts, for its metrics record: "expert_bytes"
-    (this worker's sends averaging the experts' gradients; "expert_bytes_uncompressed"
-    for the record's totals), "expert_rank" (the rank they were sent at, 0 uncompressed),
+    """A step's figures of a model with experts, for its metrics record: with an experts'
+    core of their own (FSDP, edgc.moe), "expert_bytes" (this worker's sends averaging the
+    experts' gradients; "expert_bytes_uncompressed" for the record's totals) and
+    "expert_rank" (the rank they were sent at, 0 uncompressed); always
     "a2a_bytes" (the tokens' all-to-alls, a worker's mean),
     "expert_tokens" (assignments each expert received, every worker and block together)
     and "busiest_expert_share"; and the experts' counters now (the next step's `prev`)."""
@@ -37,7 +38,8 @@ def expert_record(model: torch.nn.Module, hook_state: Any, prev: Any, dispatch: 
     # collective (metrics only): all-reduce SUM of the experts' counts and the all-to-all bytes, (E + 1) int64
     dist.all_reduce(both)
     load = both[:-1].cpu()
-    record = {"expert_bytes": sent, "expert_bytes_uncompressed": whole, "a2a_bytes": int(both[-1]) // world,
-              "expert_tokens": load.tolist(), "busiest_expert_share": busiest_share(load),
-              "expert_rank": stats.step_rank if stats is not None else 0}
+    record: dict[str, Any] = {"a2a_bytes": int(both[-1]) // world, "expert_tokens": load.tolist(),
+                              "busiest_expert_share": busiest_share(load)}
+    if stats is not None:  # (under DDP the experts share the dense parameters' core: no split to report)
+        record.update(expert_bytes=sent, expert_bytes_uncompressed=whole, expert_rank=stats.step_rank)
     return record, stats

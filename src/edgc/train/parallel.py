@@ -134,7 +134,7 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
     if any(True for _ in moe_layers(model)):  # (experts: their own FSDP units, on their own mesh: edgc.moe)
         sparse = expert_mesh(mesh, cfg.ep)
         if cfg.ep > 1:
-            dispatch = parallelize_experts(model, sparse["ep"])
+            dispatch = parallelize_experts(model, sparse["ep"], wire=cfg.ep_wire)
     for block in model.h:  # type: ignore[union-attr]
         if sparse is not None:
             fully_shard(block.mlp.experts, mesh=sparse["replicate", "shard"] if native else sparse["shard"])

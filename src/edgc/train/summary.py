@@ -284,10 +284,12 @@ def write_summary(run_dir: str | Path) -> Path:
                       f"{s.total_bytes_uncompressed / 1e6:.1f} MB for uncompressed all-reduce "
                       f"({ratio:.2f}x fewer).\n\n")
     if math.isfinite(s.mean_busiest_share):
-        bytes_line += (f"Experts: {s.total_expert_bytes / 1e6:.1f} MB of those bytes averaged the experts' gradients, "
-                       f"{(s.total_bytes - s.total_expert_bytes) / 1e6:.1f} MB the dense parameters'; the tokens' "
-                       f"all-to-all sent {s.total_a2a_bytes / 1e6:.1f} MB per worker besides (activations, not "
-                       f"compressed); the busiest expert took {s.mean_busiest_share:.1%} of the assignments on "
+        split = any("expert_bytes" in r for r in records)
+        bytes_line += ("Experts: " + (f"{s.total_expert_bytes / 1e6:.1f} MB of those bytes averaged the experts' "
+                                      f"gradients, {(s.total_bytes - s.total_expert_bytes) / 1e6:.1f} MB the dense "
+                                      "parameters'; " if split else "")
+                       + f"the tokens' all-to-all sent {s.total_a2a_bytes / 1e6:.1f} MB per worker (activations, "
+                       f"not compressed); the busiest expert took {s.mean_busiest_share:.1%} of the assignments on "
                        f"average.\n\n")
     text = (
         f"# Run {run_dir.name}\n\n"

@@ -499,9 +499,10 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             experts: dict[str, Any] = {}
             if moe:
                 experts, prev_experts = expert_record(model, hook_state, prev_experts, run.dispatch, world, device)
-                experts["dense_bytes"] = sent
-                sent += experts["expert_bytes"]
-                whole += experts.pop("expert_bytes_uncompressed")
+                if "expert_bytes" in experts:
+                    experts["dense_bytes"] = sent
+                    sent += experts["expert_bytes"]
+                    whole += experts.pop("expert_bytes_uncompressed")
             record = {
                 "step": step, "kind": "train", "loss": float(loss_sum) / world, "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time, "step_time": step_time,
