@@ -104,10 +104,12 @@ def test_edgc_train_ep2_gives_ep1_losses_uncompressed(tmp_path, data_dir):
     steps = ["--method", "none", "--steps", "4", "--eval-every", "4"]
     one = _train(data_dir, tmp_path / "ep1", *steps)
     two = _train(data_dir, tmp_path / "ep2", *steps, "--ep", "2")
+    sharded = _train(data_dir, tmp_path / "shards", *steps, "--ep", "2", "--dp-shard", "2")  # (2 replicas x 2 shards)
     # (equal but for the order of float sums: FSDP's against DDP's, the experts' over two groups;
     # Adam's normalisation makes that ~1e-5 of the loss after 4 steps)
-    assert _col(two, "loss") == pytest.approx(_col(one, "loss"), rel=1e-4)
-    assert _col(two, "val_loss", "val") == pytest.approx(_col(one, "val_loss", "val"), rel=1e-4)
+    for run in (two, sharded):
+        assert _col(run, "loss") == pytest.approx(_col(one, "loss"), rel=1e-4)
+        assert _col(run, "val_loss", "val") == pytest.approx(_col(one, "val_loss", "val"), rel=1e-4)
     a = torch.load(tmp_path / "ep1" / CHECKPOINT_NAME, weights_only=False)["model"]
     b = torch.load(tmp_path / "ep2" / CHECKPOINT_NAME, weights_only=False)["model"]
     assert a.keys() == b.keys() and b["h.0.mlp.experts.w_fc"].shape[0] == 8  # (all experts, as one process holds them)
