@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with edgc, its test and lint tools and every optional extra (the trainer's, TensorBoard,
 # and the frameworks edgc.integrations adapts to), so that the tests of each one run, in CI too.
-# torch is pinned here (not in pyproject) to the CPU build this project's machines carry;
-# override with EDGC_TORCH="torch==X" for others. An existing .venv that lacks any of them
+# torch is pinned here (not in pyproject, which asks for >= 2.11) to 2.13.0, whose CPU build
+# this project's machines carry; override with EDGC_TORCH="torch==X" for others. An existing .venv that lacks any of them
 # gets them on the next run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

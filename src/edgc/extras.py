@@ -12,7 +12,24 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-__all__ = ["EXTRAS", "missing_extra", "missing_modules"]
+__all__ = ["EXTRAS", "MIN_TORCH", "check_torch", "missing_extra", "missing_modules"]
+
+#: The oldest torch edgc runs on (pyproject.toml's bound): the oldest it was tested with.
+#: FSDP2's fully_shard and DTensor tensor parallelism changed shape until then.
+MIN_TORCH = (2, 11)
+
+
+def check_torch(version: str) -> None:
+    """Raise ImportError, in one line, for a torch `version` older than MIN_TORCH."""
+    parts = version.split("+")[0].split(".")[:2]
+    try:
+        found = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)
+    except ValueError:  # (an unreadable version: let torch itself decide)
+        return
+    if found < MIN_TORCH:
+        want = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"edgc needs torch >= {want} (its FSDP2 and tensor-parallel paths are tested from {want} "
+                          f"on); this environment has torch {version}: pip install 'torch>={want}'")
 
 #: The modules (import names) each extra installs, as pyproject.toml's optional
 #: dependencies list them.

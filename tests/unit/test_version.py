@@ -35,3 +35,20 @@ def test_wheel_takes_its_version_from_the_package():
     text = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^dynamic = \["version"\]$', text, re.M)
     assert re.search(r'^version = \{ attr = "edgc.__version__" \}$', text, re.M)
+
+
+def test_the_torch_bound_is_pyprojects_and_an_older_torch_is_refused_in_one_line():
+    from edgc.extras import MIN_TORCH, check_torch
+
+    text = (ROOT / "pyproject.toml").read_text()
+    assert f'"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}"' in text
+    check_torch("2.11.0")
+    check_torch("2.13.0+cpu")
+    check_torch("3.0.0a0+git1234")
+    import pytest
+
+    with pytest.raises(ImportError, match=r"edgc needs torch >= 2\.11 .* has torch 2\.10\.1"):
+        check_torch("2.10.1")
+    out = subprocess.run([sys.executable, "-c", "import torch; torch.__version__ = '2.6.0'; import edgc"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "edgc needs torch >= 2.11" in out.stderr
