@@ -59,8 +59,8 @@ class EDGCStats:
     # on compressed steps, whose average is the low-rank one
     # (edgc.comm.windowgrad); nan with one replica, or before the first window end
     noise_scale: float = math.nan
-    # bytes this replica's compression state holds now: Q, the error feedback (its two
-    # buffers), the step's workspace (CompressionState.nbytes) and the
+    # bytes this replica's compression state holds now: Q, the error feedback (one buffer),
+    # the step's workspace, empty between steps (CompressionState.nbytes), and the
     # window's sums of the averaged gradient's sample (WindowGradient.nbytes); the model's
     # parameters and gradients are not in it. 0 before compression starts (but for those sums)
     state_bytes: int = 0

@@ -541,9 +541,9 @@ def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
                   device: torch.device) -> dict[str, Any]:
     """This worker's memory at the end of a run, for metrics.jsonl ("kind": "memory"):
     "state_mb", the bytes it holds of the parameters, the optimiser state and the
-    compression state (error feedback and Q), each as stored here (a sharded model's
-    local shards): its error feedback, Q and the window's sums;
-    "compression_mb", the compression state's part (EDGCStats.state_bytes); "peak_mb",
+    compression state, each as stored here (a sharded model's local shards);
+    "compression_mb", the compression state's part (EDGCStats.state_bytes: its error
+    feedback, Q and the window's sums, the experts' core's too); "peak_mb",
     the peak CUDA memory allocated, or on the CPU the process's peak resident set."""
     def local(t: Any) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
