@@ -163,3 +163,21 @@ def test_the_int8_all_to_all_sends_a_quarter_of_the_bytes_and_trains_alike(tmp_p
     # besides the count exchange, the same in both
     assert b / a == pytest.approx(136 / 512, rel=0.02)
     assert _col(int8, "loss") == pytest.approx(_col(native, "loss"), rel=2e-3)
+
+
+def test_edgc_train_ep2_keeps_every_replica_bit_identical(tmp_path, data_dir):
+    from edgc.train.launch import run_local
+    from edgc.train.trainer import prepare_run, train_worker
+
+    values = dict(data=str(data_dir), out=str(tmp_path / "run"), nproc=4, batch_size=4, block_size=32,
+                  eval_tokens=256, progress=False, rank=4, steps=8, eval_every=8, preset="tiny-moe", ep=2,
+                  edgc={"warmup_steps": 2, "warmup": "fixed", "window": 2, "iteration_sample_rate": 1.0,
+                        "min_rank": 2})
+    from edgc.train.config import TrainConfig
+
+    cfg = prepare_run(TrainConfig.from_dict(values), None, 4)
+    out = run_local(train_worker, 4, cfg.to_dict(), str(data_dir), None, timeout=300, threads=1)
+    assert len({r["dense_digest"] for r in out}) == 1  # every replica of the dense parameters
+    # the experts: ranks 0 and 2 hold experts 0-3, ranks 1 and 3 experts 4-7
+    assert out[0]["expert_digest"] == out[2]["expert_digest"] != out[1]["expert_digest"] == out[3]["expert_digest"]
+    assert all(r["stats"].compressed_steps == 6 for r in out)

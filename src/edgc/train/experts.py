@@ -8,9 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edgc.moe import busiest_share, load_counts
+from edgc.comm.replicas import tensors_digest
+from edgc.moe import busiest_share, expert_parameter_names, load_counts
 
-__all__ = ["expert_record", "expert_stats"]
+__all__ = ["expert_digests", "expert_record", "expert_stats"]
 
 
 def expert_stats(hook_state: Any) -> Any:
@@ -43,3 +44,16 @@ def expert_record(model: torch.nn.Module, hook_state: Any, prev: Any, dispatch: 
     if stats is not None:  # (under DDP the experts share the dense parameters' core: no split to report)
         record.update(expert_bytes=sent, expert_bytes_uncompressed=whole, expert_rank=stats.step_rank)
     return record, stats
+
+
+def expert_digests(model: torch.nn.Module) -> dict[str, str]:
+    """{"dense_digest", "expert_digest"}: digests of this worker's dense parameters and of
+    its experts, as it holds them (its shards), to tell that replicas are bit-identical."""
+    names = set(expert_parameter_names(model))
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(model.named_parameters())
+    return {"dense_digest": tensors_digest(local(p) for n, p in params if n not in names),
+            "expert_digest": tensors_digest(local(p) for n, p in params if n in names)}

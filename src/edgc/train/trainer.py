@@ -55,7 +55,7 @@ from edgc.train.common import (
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
-from edgc.train.experts import expert_record, expert_stats
+from edgc.train.experts import expert_digests, expert_record, expert_stats
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
 from edgc.train.parallel import DataParallel, clip_grads, data_parallel, replica_bytes
@@ -402,7 +402,8 @@ def worker_device(device: str) -> torch.device:
 
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str, resume: str | None) -> dict[str, Any]:
     """One replica's training loop from the start, or from the checkpoint file `resume`.
-    Rank 0 writes metrics and checkpoints. Returns {"skipped", "stats", "diverged"}:
+    Rank 0 writes metrics and checkpoints. Returns {"skipped", "stats", "diverged"} (and
+    with experts edgc.train.experts.expert_digests'):
     "diverged" is rank 0's DivergenceGuard.verdict on how the run ended (None: finite, and
     None on the other ranks); raises TrainingDiverged when --max-nonfinite-steps stops it."""
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -534,7 +535,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         if writer is not None:
             writer.close()
     return {"skipped": skipped, "stats": hook_state.stats(),
-            "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None}
+            "diverged": guard.verdict(val.loss if val is not None else None) if rank == 0 else None,
+            **(expert_digests(model) if moe else {})}
 
 
 def memory_record(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, hook_state: Any,
