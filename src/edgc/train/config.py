@@ -15,6 +15,7 @@ from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 from edgc.train.config_file import check_folder_path, load_config_file
+from edgc.train.layout_checks import check_expert_layout, check_tp_layout
 
 __all__ = ["METHODS", "TrainConfig", "load_config_file", "process_group_backend"]
 
@@ -393,8 +394,8 @@ class TrainConfig:
                                  "buckets of this size and refuses any smaller than 1 MB")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
-        self._check_tp(bad)
-        self._check_experts(bad)
+        check_tp_layout(self, bad)
+        check_expert_layout(self, bad)
         if self.hsdp:
             if self.pp > 1 or (self.dp is not None and (self.tp == 1 or self.dp_replicate is not None)):
                 bad("dp_shard", "HSDP (--dp-shard, --dp-replicate) does not combine with pipelines (--pp, --dp)")
@@ -424,45 +425,6 @@ class TrainConfig:
                 raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
             if self.schedule == "1f1b" and mb < self.pp:
                 raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
-
-    def _check_experts(self, bad: Any) -> None:
-        """Refuse (through `bad`) an expert-parallel setting the run cannot serve."""
-        experts = PRESETS[self.preset].n_expert
-        if self.ep > 1 and not experts:
-            bad("ep", f"splits a model's experts: the {self.preset} preset has none (use tiny-moe or small-moe)")
-        if experts and self.ep > 1 and experts % self.ep:
-            bad("ep", f"must divide the {self.preset} preset's {experts} experts")
-        if experts and self.tp > 1:
-            bad("tp", "tensor parallelism does not split experts yet: use --ep for a preset with experts")
-        if experts and self.pp > 1:
-            bad("pp", "pipelines do not carry the experts' load-balancing loss yet: use --ep for a preset with "
-                      "experts")
-        if experts and self.compile:
-            bad("compile", "is not supported with experts yet (the routing reads token counts on the host)")
-        if self.ep_wire != "native" and self.ep == 1:
-            bad("ep_wire", "sets the experts' all-to-all: it needs ep > 1")
-        if self.ep > 1 and self.method not in ("none", "powersgd", "edgc"):
-            bad("method", f"{self.method} is not supported with --ep: use none (native HSDP), powersgd or edgc")
-
-    def _check_tp(self, bad: Any) -> None:
-        """Refuse (through `bad`) a tensor-parallel setting the run cannot serve."""
-        from edgc.train.tensor_parallel import check_tp
-
-        if self.sequence_parallel and self.tp == 1:
-            bad("sequence_parallel", "splits the model over the TP ranks: it needs tp > 1")
-        if self.tp == 1:
-            return
-        try:
-            check_tp(PRESETS[self.preset], self.tp)
-        except ValueError as exc:
-            bad("tp", f"{exc} (preset {self.preset})")
-        if self.pp > 1 and self.sequence_parallel:
-            bad("sequence_parallel", "is not supported with pipelines (--pp) yet")
-        if self.compile:
-            bad("compile", "is not supported with tensor parallelism (--tp) yet")
-        if self.method not in ("none", "powersgd", "edgc"):
-            bad("method", f"{self.method} is not supported with tensor parallelism: use none (native HSDP), "
-                          "powersgd or edgc")
 
     def lr_drops(self) -> list[int]:
         """The steps of `lr_drop_steps`, in order; raises ValueError unless they are

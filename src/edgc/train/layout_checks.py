@@ -1,0 +1,51 @@
+"""The refusals of a tensor-parallel or expert-parallel layout that `edgc train` cannot serve
+(TrainConfig.validate calls them, each refusal in one line through its `bad`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgc.models import PRESETS
+
+__all__ = ["check_expert_layout", "check_tp_layout"]
+
+
+def check_expert_layout(cfg: Any, bad: Any) -> None:
+    """Refuse (through `bad`) an expert-parallel setting the run (a TrainConfig) cannot serve."""
+    experts = PRESETS[cfg.preset].n_expert
+    if cfg.ep > 1 and not experts:
+        bad("ep", f"splits a model's experts: the {cfg.preset} preset has none (use tiny-moe or small-moe)")
+    if experts and cfg.ep > 1 and experts % cfg.ep:
+        bad("ep", f"must divide the {cfg.preset} preset's {experts} experts")
+    if experts and cfg.tp > 1:
+        bad("tp", "tensor parallelism does not split experts yet: use --ep for a preset with experts")
+    if experts and cfg.pp > 1:
+        bad("pp", "pipelines do not carry the experts' load-balancing loss yet: use --ep for a preset with "
+                  "experts")
+    if experts and cfg.compile:
+        bad("compile", "is not supported with experts yet (the routing reads token counts on the host)")
+    if cfg.ep_wire != "native" and cfg.ep == 1:
+        bad("ep_wire", "sets the experts' all-to-all: it needs ep > 1")
+    if cfg.ep > 1 and cfg.method not in ("none", "powersgd", "edgc"):
+        bad("method", f"{cfg.method} is not supported with --ep: use none (native HSDP), powersgd or edgc")
+
+
+def check_tp_layout(cfg: Any, bad: Any) -> None:
+    """Refuse (through `bad`) a tensor-parallel setting the run (a TrainConfig) cannot serve."""
+    if cfg.sequence_parallel and cfg.tp == 1:
+        bad("sequence_parallel", "splits the model over the TP ranks: it needs tp > 1")
+    if cfg.tp == 1:
+        return
+    from edgc.train.tensor_parallel import check_tp
+
+    try:
+        check_tp(PRESETS[cfg.preset], cfg.tp)
+    except ValueError as exc:
+        bad("tp", f"{exc} (preset {cfg.preset})")
+    if cfg.pp > 1 and cfg.sequence_parallel:
+        bad("sequence_parallel", "is not supported with pipelines (--pp) yet")
+    if cfg.compile:
+        bad("compile", "is not supported with tensor parallelism (--tp) yet")
+    if cfg.method not in ("none", "powersgd", "edgc"):
+        bad("method", f"{cfg.method} is not supported with tensor parallelism: use none (native HSDP), "
+                      "powersgd or edgc")
