@@ -75,3 +75,20 @@ def test_hsdp_through_the_cli_on_cuda_with_bf16(tmp_path, method):
     if method == "edgc":
         assert train[-1]["phase"] == "compress"
     assert any(r["kind"] == "memory" and r["peak_mb"] > 0 for r in records)
+
+
+@needs_train_extra
+def test_experts_through_the_cli_on_cuda_with_bf16(tmp_path):
+    # two workers, experts split over both: over NCCL with a GPU each, else gloo carrying CUDA
+    # tensors on one shared GPU (its all-to-all included)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "edgc", "train", "--device", "cuda", "--dtype", "bf16", "--preset", "tiny-moe",
+           "--ep", "2", "--nproc", "2", "--steps", "12", "--checkpoint-every", "6", "--out", str(out),
+           "--no-progress", "--corpus-bytes", "400000", "--data-cache", str(tmp_path / "cache"),
+           "--edgc-warmup-steps", "4", "--edgc-window", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(math.isfinite(r["loss"]) for r in train) and train[-1]["phase"] == "compress"
+    assert all(r["a2a_bytes"] > 0 and sum(r["expert_tokens"]) > 0 for r in train)
