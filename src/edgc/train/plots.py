@@ -52,7 +52,10 @@ def plot_runs(runs: list[Run], out_dir: str | Path) -> list[Path]:
                 ax.step(s, v, where="post", label=f"{label} stage {p}")
         else:
             s, v = _series(recs, "train", "rank")
-            ax.step(s, v, where="post", label=label)
+            experts = _series(recs, "train", "expert_rank")
+            ax.step(s, v, where="post", label=f"{label} dense" if experts[1] else label)
+            if experts[1]:  # (experts with a core of their own: their rank beside the dense one)
+                ax.step(*experts, where="post", linestyle="--", label=f"{label} experts")
     ax.set(xlabel="step", ylabel="rank (0 = uncompressed)", title="Compression rank")
     paths.append(_save(fig, ax, out_dir / "rank.png"))
 
