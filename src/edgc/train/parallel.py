@@ -10,9 +10,13 @@ registered on mesh["replicate", "shard"]: each TP rank's shards are compressed o
 own replicate group. Method "none" shards on the whole mesh: native
 HSDP, whose own all-reduce crosses the replicas (its bytes counted by
 edgc.fsdp.count_native_hsdp). "powersgd" and "edgc" shard on the 1-D shard mesh and
-register edgc.fsdp.register_edgc, which compresses that all-reduce. Checkpoints hold the
+register edgc.fsdp.register_edgc, which compresses that all-reduce. A model with experts run
+(edgc.models.moe) this way (--ep > 1 always is): each block's experts are an FSDP unit of their own on
+the expert mesh (edgc.moe.expert_mesh; with --ep > 1 split over the EP ranks first), and
+register_edgc (or, for "none", count_native_hsdp) is given that mesh. Checkpoints hold the
 full (unsharded) model and optimiser state, as DDP runs' do, gathered to rank 0 with
-torch.distributed.checkpoint.state_dict, and loaded back into the shards on resume.
+torch.distributed.checkpoint.state_dict (with --ep, gathered on every rank and the experts
+made whole over the EP group), and loaded back into the shards on resume.
 """
 
 from __future__ import annotations
