@@ -138,3 +138,28 @@ def test_edgc_train_refuses_ep_on_a_dense_preset_in_one_line(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--ep", "2", "--out", str(tmp_path / "run"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "splits a model's experts" in err[0] and "tiny-moe" in err[0]
+
+
+def _ckpt(model_config, world_size=4, ep=1):
+    return {"train": {"preset": "tiny", "method": "edgc", "ep": ep}, "world_size": world_size,
+            "model_config": model_config, "hsdp": [world_size, 1]}
+
+
+def test_a_checkpoint_of_a_dense_model_saved_before_the_expert_fields_still_resumes():
+    from edgc.train.checkpoint import check_compatible
+
+    now = dataclasses.asdict(PRESETS["tiny"])
+    before = {k: v for k, v in now.items() if k not in ("n_expert", "top_k", "expert_width", "aux_loss_coef")}
+    check_compatible(_ckpt(before), world_size=4, preset="tiny", method="edgc", model_config=now, hsdp=(4, 1))
+    with pytest.raises(ValueError, match="model: checkpoint"):
+        check_compatible(_ckpt({**before, "n_expert": 8}), world_size=4, preset="tiny", method="edgc",
+                         model_config=now, hsdp=(4, 1))
+
+
+def test_a_run_with_split_experts_resumes_only_on_its_own_layout():
+    from edgc.train.checkpoint import check_compatible
+
+    config = dataclasses.asdict(PRESETS["tiny-moe"])
+    with pytest.raises(ValueError, match="experts split over EP ranks resumes only on the layout it was saved on"):
+        check_compatible({**_ckpt(config, ep=2), "train": {"preset": "tiny-moe", "method": "edgc", "ep": 2}},
+                         world_size=2, preset="tiny-moe", method="edgc", model_config=config, hsdp=(2, 1))

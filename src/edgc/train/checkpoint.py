@@ -10,6 +10,7 @@ are loaded (edgc.safeload): a checkpoint that names code to run is refused unles
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -21,6 +22,7 @@ import torch
 
 from edgc.atomic import atomic_write
 from edgc.checkpoint import is_torch_archive, verify_checksums
+from edgc.models.gpt2 import GPTConfig
 from edgc.safeload import UnsafeFileError, load_torch
 
 FORMAT = "edgc-checkpoint"
@@ -137,9 +139,19 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
             tp = f" x {x[2]} TP ranks" if x is not None and len(x) > 2 else ""
             return f"HSDP {x[0]} replicas x {x[1]} shards{tp}" if x else "DDP"
         problems.append(f"data parallelism: checkpoint {say(saved_hsdp)}, this job {say(job_hsdp)}")
-    if saved["preset"] != preset or ckpt["model_config"] != model_config:
+    if ckpt["world_size"] != world_size and resizable and int(saved.get("ep", 1)) > 1:
+        problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run with experts "
+                        "split over EP ranks resumes only on the layout it was saved on)")
+    if saved["preset"] != preset or _with_defaults(ckpt["model_config"]) != _with_defaults(model_config):
         problems.append(f"model: checkpoint {saved['preset']} {ckpt['model_config']}, this job {preset} {model_config}")
     if saved["method"] != method:
         problems.append(f"method: checkpoint {saved['method']!r}, this job {method!r}")
     if problems:
         raise ValueError("checkpoint does not match this run: " + "; ".join(problems))
+
+
+def _with_defaults(model_config: dict[str, Any]) -> dict[str, Any]:
+    """A saved GPTConfig dict with the fields it predates at their defaults (a checkpoint of
+    an older edgc lacks n_expert and the other expert fields, and is the same dense model)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
+    return {**defaults, **model_config}
