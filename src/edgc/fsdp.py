@@ -36,6 +36,11 @@ gradient on every TP rank, are compressed alike (same shapes, same Q from the sa
 same rank: checked once, `_check_same_shards`) and so stay bit-identical; the signals
 count them on the first TP rank only (CompressionState.uncounted).
 
+Mixtures of experts (edgc.moe, docs/moe.md). With `expert_mesh`, the FSDPModules sharded
+on the expert mesh's shard dimension (its own process groups, even over the same ranks)
+are the experts': a second core compresses them over the expert mesh's replicate group,
+with their own state and rank, each stacked [E', out, in] parameter as E' matrices.
+
 Gradient accumulation. On a 1-D shard mesh FSDP calls the hook on every micro-batch that
 reduce-scatters. Call `model.set_requires_all_reduce(False)` before the micro-batches that
 should not sync and `set_requires_all_reduce(True)` before the last, exactly as with
