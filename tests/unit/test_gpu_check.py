@@ -153,6 +153,7 @@ def test_its_pytest_selection_collects_the_cuda_tests(tmp_path):
         "tests/distributed/test_cuda.py::test_hook_on_cuda_bf16_replicas_identical_and_timed",
         "tests/distributed/test_cuda.py::test_edgc_train_on_cuda_with_bf16",
         "tests/distributed/test_cuda.py::test_hsdp_through_the_cli_on_cuda_with_bf16",
+        "tests/distributed/test_cuda.py::test_experts_through_the_cli_on_cuda_with_bf16",
         "tests/unit/test_step.py::test_no_host_sync_before_the_last_bucket_on_cuda",
     }
 
