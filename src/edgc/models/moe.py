@@ -115,7 +115,9 @@ class MoE(nn.Module):
         if self.training:
             share = counts.to(probs.dtype) / ids.numel()  # f_i
             self.aux_loss = self.n_expert * (share * probs.mean(dim=0)).sum()
-            self.load = self.load.to(counts.device) + counts.detach()
+            if self.load.device != counts.device:  # (built on another device, or on meta)
+                self.load = torch.zeros_like(counts)
+            self.load = self.load + counts.detach()
         order = ids.argsort(stable=True)  # (A,): assignments by expert, in token order within one
         out = self.dispatch(tokens[order // self.top_k], counts, self.experts)  # (A, C), sorted
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # (A, C) in assignment order
