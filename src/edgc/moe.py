@@ -37,7 +37,7 @@ shards x ep (FSDPModule.set_gradient_divide_factor, applied inside the reduce-sc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from edgc.comm.wire import BLOCK, codec, dequantize, quantize
+from edgc.comm.wire import BLOCK, codec, dequantize, quantize, wire_bytes
 from edgc.config import EP_WIRES
 from edgc.models.moe import Experts, MoE
 
@@ -107,17 +107,11 @@ class ExpertParallel:
         back = torch.empty_like(y).index_copy_(0, order, y)  # rank-major again
         # collective: all-to-all of the experts' outputs back to their tokens (splits swapped)
         out = self._all_to_all(back, send, recv)
-        width = routed.shape[-1]
-        row = _row_bytes(width) if self.wire == "int8" else width * routed.element_size()
+        row = wire_bytes(routed.shape[-1], routed.element_size(), self.wire)  # (one row, in the wire)
         others = (sum(send) - send[self.rank]) + (sum(recv) - recv[self.rank])  # dispatch + combine
         passes = 2 if torch.is_grad_enabled() and routed.requires_grad else 1
         self.bytes_sent += others * row * passes + (ep - 1) * local * counts.element_size()
         return out
-
-
-def _row_bytes(width: int) -> int:
-    """Bytes of one row of `width` values in the int8 wire: its codes and its blocks' scales."""
-    return width + 2 * (width // BLOCK)
 
 
 def _quantized_all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup
@@ -230,6 +224,19 @@ def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh | dist.ProcessGrou
     return dispatch
 
 
+def _map_experts(model_state: dict[str, Any], optim_state: dict[str, Any], names: list[str],
+                 fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and optimiser states with `fn` applied to each expert tensor (its weights,
+    and its optimiser state's tensors other than scalars), in the states' own order (the same
+    on every rank: `fn` may be a collective)."""
+    model_out = {k: fn(v) if k in names else v for k, v in model_state.items()}
+    state = dict(optim_state.get("state", {}))
+    for k in names:
+        if k in state:
+            state[k] = {s: fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for s, v in state[k].items()}
+    return model_out, {**optim_state, "state": state}
+
+
 def to_expert_file_layout(model_state: dict[str, Any], optim_state: dict[str, Any], names: list[str],
                           group: dist.ProcessGroup) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full model and optimiser states (torch.distributed.checkpoint's, keyed by parameter
@@ -244,13 +251,7 @@ def to_expert_file_layout(model_state: dict[str, Any], optim_state: dict[str, An
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts)
 
-    model_out = {k: whole(v) if k in names else v for k, v in model_state.items()}
-    state = dict(optim_state.get("state", {}))
-    for k in names:
-        if k in state:
-            state[k] = {s: whole(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                        for s, v in state[k].items()}
-    return model_out, {**optim_state, "state": state}
+    return _map_experts(model_state, optim_state, names, whole)
 
 
 def to_expert_local_layout(model_state: dict[str, Any], optim_state: dict[str, Any], names: list[str],
@@ -263,12 +264,7 @@ def to_expert_local_layout(model_state: dict[str, Any], optim_state: dict[str, A
         share = t.shape[0] // ep
         return t[rank * share:(rank + 1) * share].clone()
 
-    model_out = {k: mine(v) if k in names else v for k, v in model_state.items()}
-    state = dict(optim_state.get("state", {}))
-    for k in names:
-        if k in state:
-            state[k] = {s: mine(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for s, v in state[k].items()}
-    return model_out, {**optim_state, "state": state}
+    return _map_experts(model_state, optim_state, names, mine)
 
 
 def load_counts(model: nn.Module) -> torch.Tensor | None:
