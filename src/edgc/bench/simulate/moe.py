@@ -15,8 +15,8 @@ Three kinds of traffic (docs/moe.md):
 The models are public configurations (MoE_MODELS); the layout and the network are those of
 a cluster file (the paper's 64 x H100 by default), with the EP group inside a node, on
 NVLink (`nvlink` bytes/s a GPU), or across nodes. Gradients compressed at rank r cost
-(m + n) * r values a matrix in the wire's bytes (int8: 1 byte and a 4-byte scale a block of
-32), ring all-reduced like the rest. Activations travel in bf16.
+(m + n) * r values a matrix in the int8 wire's bytes (a byte a value and a bfloat16 scale a
+block of 32: edgc.comm.wire.wire_bytes), ring all-reduced like the rest. Activations travel in bf16.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import math
 from dataclasses import dataclass
 
 from edgc.bench.simulate.cluster import ClusterSpec
+from edgc.bench.simulate.model import ring_allreduce_time
+from edgc.comm.wire import wire_bytes
 
 __all__ = ["MOE_MODELS", "MoEModel", "MoETraffic", "format_moe", "moe_traffic"]
-
-INT8_WIRE_BYTES = 1 + 4 / 32  # a value in the int8 wire: one byte, and a float32 scale a block of 32
-
 
 @dataclass(frozen=True)
 class MoEModel:
@@ -112,17 +111,15 @@ class MoETraffic:
 
 
 def _ring(nbytes: float, n: int, bandwidth: float, latency: float) -> tuple[float, float]:
-    """(bytes one GPU sends, seconds) of a ring all-reduce of `nbytes` over n GPUs."""
-    if n <= 1:
-        return 0.0, 0.0
-    sent = 2 * (n - 1) / n * nbytes
-    return sent, sent / bandwidth + 2 * (n - 1) * latency
+    """(bytes one GPU sends, seconds: edgc.bench.simulate.model.ring_allreduce_time) of a ring
+    all-reduce of `nbytes` over n GPUs."""
+    return 2 * (n - 1) / n * nbytes, ring_allreduce_time(nbytes, n, bandwidth, latency)
 
 
-def _low_rank(matrices: list[tuple[int, int]], rank: int) -> float:
+def _low_rank(matrices: list[tuple[int, int]], rank: int) -> int:
     """Values a set of matrices sends at `rank` (min(m, n) caps it; a matrix that would not
     shrink is sent whole)."""
-    total = 0.0
+    total = 0
     for m, n in matrices:
         r = min(rank, m, n)
         total += min((m + n) * r, m * n)
@@ -141,11 +138,12 @@ def moe_traffic(model: MoEModel, cluster: ClusterSpec, *, ep: int, tokens: int, 
     per_gpu = cluster.bandwidth / share  # (each GPU's share of its node's inter-node link)
     rows = []
     dense_vals = sum(m * n for m, n in model.dense_matrices()) + model.dense_vectors()
-    dense_low = _low_rank(model.dense_matrices(), rank) * INT8_WIRE_BYTES + model.dense_vectors() * INT8_WIRE_BYTES
+    # (compressed: the factors and the vectors sent whole, in the int8 wire's bytes, edgc.comm.wire)
+    dense_low = wire_bytes(_low_rank(model.dense_matrices(), rank) + model.dense_vectors(), grad_bytes, "int8")
+    expert_low = wire_bytes(_low_rank(model.expert_matrices(ep), rank), grad_bytes, "int8")
     for kind, vals, low, n in (
         ("dense gradient", dense_vals, dense_low, dp),
-        ("expert gradient", sum(m * n for m, n in model.expert_matrices(ep)),
-         _low_rank(model.expert_matrices(ep), rank) * INT8_WIRE_BYTES, dp // ep),
+        ("expert gradient", sum(m * n for m, n in model.expert_matrices(ep)), expert_low, dp // ep),
     ):
         b0, s0 = _ring(vals * grad_bytes, n, per_gpu, cluster.latency)
         b1, s1 = _ring(low, n, per_gpu, cluster.latency)
