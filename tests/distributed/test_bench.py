@@ -341,6 +341,32 @@ def test_bench_pareto_on_loopback(tmp_path, data_dir):
     assert config["edgc"]["noise"]["exponent"] == 0.5
 
 
+def test_bench_pareto_over_seeds_pairs_the_blocks(tmp_path, data_dir):
+    """--seeds 2: every run twice, the second seed's in seed1338/; the report pairs each
+    run with each static rank over the same validation blocks and judges the mean over
+    the seeds; a second call reuses all of them."""
+    out = tmp_path / "pareto"
+    cmd = [sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--steps", "4", "--rank", "2",
+           "--static-ranks", "1,2", "--policies", "noise", "--skip", "none,torch-powersgd-r2", "--seeds", "2",
+           "--out", str(out), "--", "--batch-size", "4", "--block-size", "32", "--edgc-warmup-steps", "1",
+           "--edgc-window", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("powersgd-r1", "powersgd-r2", "edgc-noise"):
+        first, second = load_run(out / name)[0], load_run(out / "seed1338" / name)[0]
+        assert (first["seed"], second["seed"]) == (1337, 1338)
+        assert (out / name / "val_blocks.npz").is_file() and (out / "seed1338" / name / "val_blocks.npz").is_file()
+    text = (out / "pareto.md").read_text()
+    assert "seeds 1337..1338" in text and "final val loss, mean of 2 seeds ± their SD" in text
+    assert "## Paired differences" in text and "| edgc-noise | " in text.split("## Paired differences")[1]
+    assert "(seeds ± " in text.split("## Paired differences")[1]
+    points = json.loads((out / "pareto.json").read_text())
+    assert sorted((p["name"], p["seed"]) for p in points) == sorted(
+        (n, s) for n in ("powersgd-r1", "powersgd-r2", "edgc-noise") for s in (1337, 1338))
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("already done, reused") == 6
+
+
 @pytest.mark.parametrize("skip, message", [("powersgd-r4", "the target"), ("powersgd-r3", "no runs named")])
 def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",
@@ -354,10 +380,12 @@ def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     (["--static-ranks", "2,x,4"], "give ranks as integers"),
     (["--policies", "noise[noise_exponent]"], "each setting is FIELD=VALUE"),
     (["--policies", "noise;noise"], "names a run twice"),
+    (["--seeds", "2", "--", "--seed", "5"], "leave --seed out"),
+    (["--seeds", "0"], "must be positive"),
 ])
 def test_bench_pareto_refuses_bad_ranks_and_specs(tmp_path, data_dir, args, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",
-                           *args, "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=120)
+                           "--out", str(tmp_path / "p"), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "p").exists()
 

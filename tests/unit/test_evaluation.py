@@ -16,7 +16,16 @@ from edgc.cli import main
 from edgc.data import TokenFile, write_token_file
 from edgc.models import build_model
 from edgc.train.config import TrainConfig
-from edgc.train.evaluation import LossMoments, block_losses, eval_batches, eval_starts
+from edgc.train.evaluation import (
+    BlockLosses,
+    LossMoments,
+    block_losses,
+    eval_batches,
+    eval_starts,
+    load_block_losses,
+    paired_difference,
+    save_block_losses,
+)
 from edgc.train.metrics import perplexity
 from edgc.train.summary import compare_loss
 from edgc.train.trainer import evaluate
@@ -96,10 +105,75 @@ def test_evaluate_is_deterministic_covers_every_block_and_matches_by_hand(val_fi
         ])
     assert math.isclose(first.loss, float(by_hand.mean()), rel_tol=1e-6)
     assert math.isclose(first.se, float(by_hand.std() / math.sqrt(20)), rel_tol=1e-4)
+    # each block's loss, in the order of eval_starts
+    assert first.losses is not None and first.losses.shape == (20,)
+    np.testing.assert_allclose(first.losses, by_hand.numpy(), rtol=1e-6)
+    assert math.isclose(float(first.losses.mean()), first.loss, rel_tol=1e-12)
 
     capped = evaluate(model, val_file, TrainConfig(block_size=32, batch_size=6, eval_tokens=5 * 32),
                       rank=0, world=1, device=torch.device("cpu"))
     assert capped.blocks == 5
+
+
+def test_each_replica_fills_in_its_own_blocks(val_file):
+    """Block i is replica i mod world's: three replicas' block losses, summed as the
+    all-reduce sums them, are the one-replica evaluation's, block for block."""
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=64, block_size=32)
+    cfg = TrainConfig(block_size=32, batch_size=4, eval_tokens=None)
+    whole = evaluate(model, val_file, cfg, rank=0, world=1, device=torch.device("cpu"))
+    parts = [evaluate(model, val_file, cfg, rank=r, world=3, device=torch.device("cpu")) for r in range(3)]
+    for r, part in enumerate(parts):
+        assert part.losses is not None
+        held = np.flatnonzero(part.losses)
+        np.testing.assert_array_equal(held, np.arange(20)[r::3])  # (only its own blocks)
+    assert whole.losses is not None
+    np.testing.assert_allclose(sum(p.losses for p in parts if p.losses is not None), whole.losses, rtol=1e-6)
+
+
+def test_loss_moments_refuse_block_losses_without_their_numbers():
+    moments = LossMoments(torch.device("cpu"), blocks=4)
+    with pytest.raises(ValueError, match="block numbers"):
+        moments.add(torch.ones(2))
+    moments.add(torch.tensor([1.0, 3.0]), np.array([3, 1]))
+    result = moments.result(block_size=8)
+    assert result.losses is not None
+    np.testing.assert_array_equal(result.losses, [0.0, 3.0, 0.0, 1.0])
+    assert LossMoments(torch.device("cpu")).result(block_size=8).losses is None
+
+
+def test_block_losses_round_trip_and_pair(tmp_path):
+    starts = np.arange(0, 800, 80, dtype=np.int64)
+    rng = np.random.default_rng(1)
+    a = rng.normal(4.0, 0.5, size=10)
+    b = a + 0.01 + rng.normal(0, 0.001, size=10)  # b: 0.01 above a, nearly the same errors
+    save_block_losses(tmp_path / "a", 500, starts, a)
+    save_block_losses(tmp_path / "b", 500, starts, b)
+    la, lb = load_block_losses(tmp_path / "a"), load_block_losses(tmp_path / "b")
+    assert la is not None and lb is not None and la.step == 500
+    np.testing.assert_array_equal(la.starts, starts)
+    np.testing.assert_array_equal(la.losses, a)  # (bit for bit)
+    diff, se = paired_difference(lb, la)
+    assert math.isclose(diff, float((b - a).mean()), rel_tol=1e-12)
+    assert math.isclose(se, float((b - a).std(ddof=1) / math.sqrt(10)), rel_tol=1e-12)
+    combined = math.hypot(a.std(ddof=1), b.std(ddof=1)) / math.sqrt(10)
+    assert se < combined / 50  # (the paired SE sees through the blocks' shared spread)
+    assert load_block_losses(tmp_path) is None  # (no file: a run from before they were kept)
+
+
+def test_block_losses_refuse_other_blocks_and_files_that_are_not_theirs(tmp_path):
+    one = BlockLosses(step=1, starts=np.arange(4, dtype=np.int64) * 8, losses=np.ones(4))
+    other = BlockLosses(step=1, starts=np.arange(4, dtype=np.int64) * 16, losses=np.ones(4))
+    with pytest.raises(ValueError, match="not of the same blocks"):
+        paired_difference(one, other)
+    with pytest.raises(ValueError, match="1-D and of one length"):
+        save_block_losses(tmp_path, 1, np.arange(3), np.ones(4))
+    (tmp_path / "val_blocks.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not an edgc block-loss file"):
+        load_block_losses(tmp_path)
+    np.savez(tmp_path / "val_blocks.npz", step=1, starts=np.array([object()], dtype=object), losses=np.ones(1))
+    with pytest.raises(ValueError, match="not an edgc block-loss file"):
+        load_block_losses(tmp_path)  # (an object array would need pickles: refused)
 
 
 # ---------------------------------------------------------------------------- reports
@@ -134,6 +208,31 @@ def test_edgc_report_marks_differences_within_and_beyond_the_standard_error(tmp_
     assert "| 5.0060 ± 0.0050 | +0.12% (within SE) |" in rows["b"]
     assert "| 4.9500 ± 0.0050 | -1.00% (beyond SE) |" in rows["c"]
     assert "within SE" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_compare_loss_pairs_the_blocks_when_it_can():
+    # 0.006 above, within the combined SE (0.0071) but many paired SEs
+    assert compare_loss(5.006, 0.005, 5.0, 0.005, (0.006, 0.0005)) == "+0.12% (+0.0060 ± 0.0005 paired: beyond SE)"
+    assert compare_loss(5.0004, 0.005, 5.0, 0.005, (0.0004, 0.0005)) == "+0.01% (+0.0004 ± 0.0005 paired: within SE)"
+    assert compare_loss(5.006, 0.005, 5.0, 0.005, (0.006, math.nan)) == "+0.12% (within SE)"  # (one block)
+
+
+def test_edgc_report_pairs_runs_that_kept_their_block_losses(tmp_path, capsys):
+    """b is 0.006 above a on every block but with the same spread: within the combined SE,
+    beyond the paired one; c kept the block losses of another evaluation than its last and d
+    was evaluated on other blocks, so both are compared as before."""
+    starts = np.arange(100, dtype=np.int64) * 32
+    hard = np.random.default_rng(0).normal(0.0, 0.05, size=100)
+    for name, loss in (("a", 5.0), ("b", 5.006), ("c", 5.006), ("d", 5.006)):
+        _fake_run(tmp_path / name, loss, 0.005)
+        jitter = np.random.default_rng(ord(name)).normal(0.0, 0.001, size=100)
+        losses = loss + hard - hard.mean() + jitter - jitter.mean()
+        save_block_losses(tmp_path / name, 1 if name == "c" else 2, starts * (2 if name == "d" else 1), losses)
+    assert main(["report", *(str(tmp_path / n) for n in "abcd"), "--out", str(tmp_path / "rep")]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert "| +0.12% (+0.0060 ± 0.0001 paired: beyond SE) |" in rows["b"]
+    assert "| +0.12% (within SE) |" in rows["c"] and "| +0.12% (within SE) |" in rows["d"]
+    assert "paired" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_a_diverged_run_is_logged_summarised_and_reported(tmp_path, capsys):

@@ -1,19 +1,25 @@
 """The Pareto sweep's plan and its verdicts against the static frontier."""
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from edgc.bench.pareto import (
     ParetoPoint,
     frontier_gap,
     frontier_verdict,
+    judge,
+    paired_gap,
     pareto_markdown,
     parse_ranks,
+    run_dir,
     split_policies,
     static_ranks,
     sweep,
 )
+from edgc.train.evaluation import BlockLosses
 
 
 def _p(name, loss, mb, se=0.01, seconds=None, kind="static", rank=None):
@@ -189,3 +195,106 @@ def test_a_static_rank_another_beats_is_not_part_of_the_frontier():
     assert frontier_verdict(_p("y", 3.63, 430, kind="dynamic"), statics, "bytes") == "on"
     y = _p("y", 3.63, 430, kind="dynamic")
     assert frontier_gap(y, statics) == frontier_gap(y, [statics[0], statics[2], statics[3]])
+
+
+# ---------------------------------------------------------------- paired verdicts, seeds
+
+BLOCK_STARTS = np.arange(400, dtype=np.int64) * 128
+# the blocks' own spread: some text is harder than other, for every run alike
+HARDNESS = np.random.default_rng(0).normal(0.0, 0.5, size=400)
+
+
+def _run(name, loss, mb, kind="dynamic", rank=None, seed=1337, noise=0.002):
+    """A run whose block losses are `loss` plus the blocks' shared hardness plus its own
+    small noise: combined SE ≈ 0.025, paired SE ≈ 0.0001 to 0.0002."""
+    rng = np.random.default_rng(abs(hash((name, seed))) % 2**32)
+    losses = loss + HARDNESS - HARDNESS.mean() + rng.normal(0.0, noise, size=400)
+    losses += loss - losses.mean()  # (the mean exactly `loss`)
+    se = float(losses.std(ddof=1) / math.sqrt(400))
+    return ParetoPoint(name, kind, rank, loss, se, mb * 1e6, mb, math.inf, "int8", seed,
+                       BlockLosses(step=100, starts=BLOCK_STARTS, losses=losses))
+
+
+def _statics(seed=1337, shift=0.0):
+    return [_run("powersgd-r8", 3.70 + shift, 200, "static", 8, seed), _run("powersgd-r16", 3.62 + shift, 400,
+            "static", 16, seed), _run("powersgd-r32", 3.60 + shift, 800, "static", 32, seed)]
+
+
+def test_a_paired_gap_sees_what_the_combined_se_hides():
+    """0.01 below the frontier: within the combined SE (≈ 0.035), but hundreds of paired SEs."""
+    mid = 200 * math.sqrt(2)  # (the frontier is 3.66 there)
+    point = _run("edgc-noise", 3.65, mid)
+    statics = _statics()
+    gap, combined = frontier_gap(point, statics)
+    assert math.isclose(gap, 0.01, abs_tol=1e-9) and combined > 0.03
+    pgap, pse = paired_gap(point, statics)
+    assert math.isclose(pgap, gap, abs_tol=1e-9)  # (the same gap, block by block)
+    assert pse < 0.001
+    j = judge([point], [statics])
+    assert (j.verdict, j.paired, j.seed_se, j.seeds) == ("beyond", True, None, 1)
+    assert j.describe().startswith("beyond (+0.0100 below, margin 0.0") and "paired SE" in j.describe()
+    assert "one seed" in j.describe()
+    # without block losses the same run is judged with the combined SE, as before
+    bare = dataclasses.replace(point, blocks=None)
+    assert judge([bare], [statics]).verdict == "on" and not judge([bare], [statics]).paired
+
+
+def test_the_seeds_spread_widens_the_margin():
+    mid = 200 * math.sqrt(2)
+    seeds = [1337, 1338, 1339]
+    # every seed's static runs alike; the policy 0.01 below the frontier on average, but
+    # 0.03 above or below it from seed to seed: the seeds' spread makes it "on"
+    statics = [_statics(s) for s in seeds]
+    wobbly = [_run("edgc-noise", 3.65 + d, mid, seed=s) for s, d in zip(seeds, (-0.03, 0.0, 0.03), strict=True)]
+    j = judge(wobbly, statics)
+    assert j.verdict == "on" and j.seeds == 3
+    assert j.seed_se is not None and math.isclose(j.seed_se, 0.03 / math.sqrt(3), rel_tol=1e-6)
+    assert j.margin == j.seed_se > j.eval_se
+    steady = [_run("edgc-noise", 3.65 + d, mid, seed=s) for s, d in zip(seeds, (-0.001, 0.0, 0.001), strict=True)]
+    assert judge(steady, statics).verdict == "beyond"
+    # each seed is judged against its own seed's frontier: a seed whose every run is 0.05
+    # higher moves nothing
+    shifted = [_statics(s, shift=0.05 if s == 1339 else 0.0) for s in seeds]
+    moved = [dataclasses.replace(p, val_loss=p.val_loss + (0.05 if p.seed == 1339 else 0.0),
+                                 blocks=BlockLosses(100, BLOCK_STARTS, p.blocks.losses + (0.05 if p.seed == 1339
+                                                                                           else 0.0)))
+             for p in steady]
+    assert judge(moved, shifted).verdict == "beyond"
+    assert math.isclose(judge(moved, shifted).below, judge(steady, statics).below, abs_tol=1e-9)
+
+
+def test_paired_verdicts_at_and_past_the_frontiers_ends():
+    statics = _statics()
+    at_top = _run("held", 3.60, 800 * (1 + 2e-6))
+    assert judge([at_top], [statics]).verdict == "on"
+    assert judge([_run("held-worse", 3.61, 800 * (1 + 2e-6))], [statics]).verdict == "behind"
+    assert judge([_run("cheap-good", 3.69, 100)], [statics]).verdict == "beyond"  # (0.01 below r8, fewer bytes)
+    assert judge([_run("dear-good", 3.59, 1600)], [statics]).verdict == "outside the frontier"
+    # inside the span on one seed and past its end on another: no verdict
+    seeds = [_statics(1337), _statics(1338)]
+    assert judge([_run("x", 3.6, 700, seed=1337), _run("x", 3.6, 900, seed=1338)], seeds).verdict \
+        == "outside the frontier"
+
+
+def test_the_report_pairs_every_run_with_every_static_rank_over_the_seeds():
+    mid = 200 * math.sqrt(2)
+    points = []
+    for s in (1337, 1338):
+        points += [*_statics(s), _run("edgc-noise", 3.65 + (0.001 if s == 1338 else 0.0), mid, seed=s)]
+    text = pareto_markdown(points, 3.60, "powersgd-r32", "setup.")
+    assert "final val loss, mean of 2 seeds ± their SD" in text
+    assert "| edgc-noise | int8 | 3.6505 ± 0.0007 |" in text
+    assert "## Paired differences" in text and "| run | vs powersgd-r8 | vs powersgd-r16 | vs powersgd-r32 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| edgc-noise | -0.0495"))
+    assert "(seeds ± 0.0005)" in row and "| +0.0505 ± " in row
+    assert "| powersgd-r32 | -0.1000 ± " in text and "| —" in text  # (a static rank against the others, not itself)
+    assert "edgc-noise: does not reach powersgd-r32's final loss within the margin (+0.0505" in text
+    assert "beyond (+0.0095 below, margin 0.0005: paired SE 0.0001, seed SE 0.0005 over 2 seeds)" in text
+    assert "the larger of the gap's paired SE and its seed SE" in text
+    with pytest.raises(ValueError, match="has seeds"):
+        pareto_markdown(points[:-1], 3.60, "powersgd-r32", "setup.")
+
+
+def test_runs_of_the_first_seed_stay_where_a_sweep_of_one_seed_puts_them(tmp_path):
+    assert run_dir(tmp_path, "edgc-noise", 1337, 1337) == tmp_path / "edgc-noise"
+    assert run_dir(tmp_path, "edgc-noise", 1339, 1337) == tmp_path / "seed1339" / "edgc-noise"

@@ -16,11 +16,23 @@ and draws loss against bytes and loss against wall time with the static ranks jo
 the frontier (a static rank that another beats in both is left out of it: a low rank whose
 warm-up ran longer can send more and end higher). A point's verdict compares its final
 validation loss with the frontier's, interpolated at the same bytes (or time) in log
-space, with the combined standard error of the two losses as the margin: "beyond" (lower
-by more than the margin), "on" (within it) or "behind". Outside the frontier's range a
-point is judged against the nearest static point only if it dominates or is dominated by
-it, or is "on" it (within 1% of its bytes or time, and its loss within the margin);
-otherwise "outside the frontier".
+space: "beyond" (lower by more than the margin), "on" (within it) or "behind". Outside the
+frontier's range a point is judged against the nearest static point only if it dominates
+or is dominated by it, or is "on" it (within 1% of its bytes or time, and its loss within
+the margin); otherwise "outside the frontier".
+
+**The margin.** Every run is evaluated on the same validation blocks and keeps each
+block's loss (`val_blocks.npz`), so the gap below the frontier is measured block by block:
+the frontier's loss on a block is its two static neighbours' block losses, interpolated
+with the same weight, and the gap's standard error is that of the per-block gaps (the
+*paired* SE). It is much smaller than the two losses' combined SE, which counts the
+blocks' own spread (some text is harder than other) twice although it moves both losses
+alike. The paired SE measures the evaluation's noise only: a run with another seed
+(another initialisation and batch order) lands elsewhere. `--seeds N` repeats every run
+over N seeds and judges the mean gap over them, with the larger of two margins: the paired
+SE of that mean, and its seed SE (the seeds' spread of the gap over sqrt(N)). With one
+seed the margin is the paired SE alone, and the verdict is that seed's. Runs from before
+the block losses were kept are judged with the combined SE, as they were then.
 
 Runs whose folder already holds a finished run of the same settings are reused, so a long
 sweep can be stopped and continued.
@@ -29,10 +41,12 @@ sweep can be stopped and continued.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import platform
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,11 +64,13 @@ from edgc.bench.train import time_to_target, train_on_cluster
 from edgc.models import PRESETS
 from edgc.policy.registry import policy_names
 from edgc.train.config import TrainConfig
+from edgc.train.evaluation import BlockLosses, load_block_losses, paired_difference
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
 
-__all__ = ["ParetoPoint", "add_parser", "along_markdown", "frontier_gap", "frontier_verdict", "parse_ranks",
-           "points_along", "run", "static_ranks", "sweep"]
+__all__ = ["Judgement", "ParetoPoint", "add_parser", "along_markdown", "frontier_gap", "frontier_verdict", "judge",
+           "paired_gap", "pareto_markdown", "parse_ranks", "points_along", "run", "run_dir", "static_ranks",
+           "sweep"]
 
 
 @dataclass
@@ -70,6 +86,13 @@ class ParetoPoint:
     seconds: float  # training wall time: summed step times, evaluation excluded
     time_to_target: float  # seconds until the first validation loss <= the target (inf: never)
     wire: str = "native"  # what its sums travelled in: EDGCConfig.wire, "native" for torch's hook, "-" for none
+    seed: int = 1337  # TrainConfig.seed of the run
+    # its last evaluation's block losses, if kept
+    blocks: BlockLosses | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def record(self) -> dict[str, object]:
+        """The point as pareto.json holds it (the block losses stay in the run's folder)."""
+        return {k: v for k, v in self.__dict__.items() if k != "blocks"}
 
 
 def static_ranks(r_max: int) -> list[int]:
@@ -207,19 +230,139 @@ def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) 
     return "outside the frontier"
 
 
-def frontier_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "bytes") -> tuple[float, float] | None:
-    """(how far `point`'s loss lies below the frontier's at its bytes (or time), the margin
-    `frontier_verdict` uses) where the frontier spans its bytes; None outside it."""
+def _interpolation(point: ParetoPoint, statics: list[ParetoPoint], axis: str
+                   ) -> tuple[ParetoPoint, ParetoPoint, float] | None:
+    """(the frontier's static points on either side of `point`'s bytes (or time), the weight
+    of the upper one in log space), or None outside the frontier's span."""
     pts = _frontier(statics, axis)
     xs = [getattr(s, axis) for s in pts]
     i = _bracket(xs, getattr(point, axis)) if math.isfinite(point.val_loss) else None
     if i is None:
         return None
-    lo, hi = pts[i], pts[i + 1]
     span = math.log(xs[i + 1]) - math.log(xs[i])
     w = 0.0 if span == 0 else (math.log(getattr(point, axis)) - math.log(xs[i])) / span  # (log-space interpolation)
+    return pts[i], pts[i + 1], w
+
+
+def frontier_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "bytes") -> tuple[float, float] | None:
+    """(how far `point`'s loss lies below the frontier's at its bytes (or time), the two
+    losses' combined SE) where the frontier spans its bytes; None outside it."""
+    found = _interpolation(point, statics, axis)
+    if found is None:
+        return None
+    lo, hi, w = found
     loss = lo.val_loss + w * (hi.val_loss - lo.val_loss)
     return loss - point.val_loss, math.hypot(point.val_se, max(lo.val_se, hi.val_se))
+
+
+def paired_gap(point: ParetoPoint, statics: list[ParetoPoint], axis: str = "bytes") -> tuple[float, float] | None:
+    """(how far `point`'s loss lies below the frontier's at its bytes (or time), its paired
+    SE): on each validation block, the frontier's loss is its two neighbours' block losses
+    interpolated with the same weight as their means, and the gap's SE is the per-block
+    gaps' (see edgc.train.evaluation). None outside the frontier's span, or when a run of
+    the three kept no block losses."""
+    found = _interpolation(point, statics, axis)
+    if found is None:
+        return None
+    lo, hi, w = found
+    if point.blocks is None or lo.blocks is None or hi.blocks is None:
+        return None
+    frontier = BlockLosses(step=lo.blocks.step, starts=lo.blocks.starts,
+                           losses=(1 - w) * lo.blocks.losses + w * hi.blocks.losses)
+    diff, se = paired_difference(frontier, point.blocks)
+    return diff, se
+
+
+def _difference(point: ParetoPoint, ref: ParetoPoint) -> tuple[float, float, bool]:
+    """(ref's loss minus point's, its SE, whether that SE is paired): paired over the
+    blocks where both kept them, else the two losses' combined SE."""
+    if point.blocks is not None and ref.blocks is not None:
+        diff, se = paired_difference(ref.blocks, point.blocks)
+        return diff, se, True
+    return ref.val_loss - point.val_loss, math.hypot(point.val_se, ref.val_se), False
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A run's place against the static frontier, over its seeds (see the module doc)."""
+
+    verdict: str  # "beyond", "on", "behind", "outside the frontier", "no frontier", "no finite loss"
+    below: float | None = None  # mean over seeds of how far its loss lies below the frontier's (or the static point's)
+    margin: float | None = None  # max(eval_se, seed_se)
+    eval_se: float | None = None  # the evaluation's SE of `below`: paired, or combined without block losses
+    seed_se: float | None = None  # the seeds' standard deviation of the gap over sqrt(seeds); None with one seed
+    seeds: int = 1
+    paired: bool = True  # eval_se is the paired SE (False: the combined SE of runs without block losses)
+
+    def describe(self) -> str:
+        """The verdict with its figures: "beyond (0.0141 below, margin 0.0021: paired SE
+        0.0009, seed SE 0.0021 over 3 seeds)"."""
+        if self.below is None or self.margin is None or self.eval_se is None:
+            return self.verdict
+        kind = "paired SE" if self.paired else "combined SE"
+        seeds = (f", seed SE {self.seed_se:.4f} over {self.seeds} seeds" if self.seed_se is not None
+                 else ", one seed")
+        return f"{self.verdict} ({self.below:+.4f} below, margin {self.margin:.4f}: {kind} {self.eval_se:.4f}{seeds})"
+
+
+def _combine(gaps: list[float], ses: list[float], paired: bool) -> Judgement:
+    """The mean gap over seeds with its margins; the verdict is filled in by the caller."""
+    n = len(gaps)
+    eval_se = math.sqrt(sum(se * se for se in ses)) / n
+    seed_se = statistics.stdev(gaps) / math.sqrt(n) if n >= 2 else None
+    return Judgement("", statistics.fmean(gaps), max(eval_se, seed_se or 0.0), eval_se, seed_se, n, paired)
+
+
+def judge(points: list[ParetoPoint], statics: list[list[ParetoPoint]], axis: str = "bytes") -> Judgement:
+    """Where a run lies against the static frontier on the loss-vs-`axis` plot ("bytes" or
+    "seconds"), over its seeds: `points[k]` is its run with seed k and `statics[k]` the
+    static runs of that seed (each seed's frontier is drawn from its own static runs).
+    Paired over the validation blocks where every run kept them; see the module doc."""
+    if any(not _frontier(st, axis) for st in statics):
+        return Judgement("no frontier")
+    if any(not math.isfinite(p.val_loss) for p in points):
+        return Judgement("no finite loss")
+    inside = [_interpolation(p, st, axis) is not None for p, st in zip(points, statics, strict=True)]
+    if all(inside):
+        gaps, ses, paired = [], [], True
+        for p, st in zip(points, statics, strict=True):
+            found = paired_gap(p, st, axis)
+            if found is None:  # (a run without block losses)
+                found, paired = frontier_gap(p, st, axis), False
+            assert found is not None
+            gaps.append(found[0])
+            ses.append(found[1])
+        j = _combine(gaps, ses, paired)
+        assert j.below is not None and j.margin is not None
+        verdict = "beyond" if j.below > j.margin else "on" if j.below >= -j.margin else "behind"
+        return Judgement(verdict, j.below, j.margin, j.eval_se, j.seed_se, j.seeds, j.paired)
+    if any(inside):
+        return Judgement("outside the frontier")  # (inside the span on some seeds, outside on others)
+    # outside the span on every seed: against the nearest static point, on the same side on every seed
+    nearest, sides = [], set()
+    for p, st in zip(points, statics, strict=True):
+        pts = _frontier(st, axis)
+        first = getattr(p, axis) < getattr(pts[0], axis)
+        near = pts[0] if first else pts[-1]
+        nearest.append(near)
+        x, nx = getattr(p, axis), getattr(near, axis)
+        end = abs(x - nx) <= END_TOLERANCE * nx
+        sides.add((near.name, first, end, x <= nx, x >= nx))
+    if len(sides) > 1:
+        return Judgement("outside the frontier")
+    _, _, end, cheaper, dearer = sides.pop()
+    diffs = [_difference(p, near) for p, near in zip(points, nearest, strict=True)]
+    j = _combine([d for d, _, _ in diffs], [se for _, se, _ in diffs], all(paired for *_, paired in diffs))
+    assert j.below is not None and j.margin is not None
+    if end and abs(j.below) <= j.margin:
+        verdict = "on"  # at the frontier's end point (e.g. a policy that held r_max, plus its control bytes)
+    elif cheaper and j.below > j.margin:
+        verdict = "beyond"  # fewer bytes (or less time) and a lower loss than a static run
+    elif dearer and j.below < -j.margin:
+        verdict = "behind"
+    else:
+        verdict = "outside the frontier"
+    return Judgement(verdict, j.below, j.margin, j.eval_se, j.seed_se, j.seeds, j.paired)
 
 
 def _wire(config: dict, kind: str) -> str:
@@ -234,6 +377,7 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
     val = [r for r in records if r.get("kind") == "val"]
     last = val[-1] if val else {}
     loss = last.get("val_loss")
+    blocks = load_block_losses(run_dir)
     return ParetoPoint(
         name=name, kind=kind, rank=rank,
         val_loss=float(loss) if loss is not None else math.nan,
@@ -242,7 +386,16 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
         seconds=float(sum(r["step_time"] for r in train)),
         time_to_target=time_to_target(records, target) if target is not None else math.inf,
         wire=_wire(config, kind),
+        seed=int(config.get("seed", TrainConfig.seed)),
+        # (only the last evaluation's blocks are kept: they pair with the final loss)
+        blocks=blocks if blocks is not None and last.get("step") == blocks.step else None,
     )
+
+
+def run_dir(out: Path, name: str, seed: int, first_seed: int) -> Path:
+    """Where the sweep trains run `name` with `seed`: out/name for the first seed (so a
+    sweep of one seed is where it always was), out/seed<S>/name for the others."""
+    return out / name if seed == first_seed else out / f"seed{seed}" / name
 
 
 def points_along(name: str, kind: str, rank: int | None, run_dir: Path) -> dict[int, ParetoPoint]:
@@ -346,19 +499,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="per-link rate on an emulated cluster (needs root; tc syntax, e.g. 200mbit) (default: "
                         "loopback, no limit: bytes and loss; wall time is not a network's)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/pareto-<time>)")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="train every run with N seeds (1337, 1338, ...; each a new initialisation and batch order) "
+                        "and judge the mean over them, with the seeds' spread in the margin (default: 1)")
     p.add_argument("--timeout", type=float, default=6 * 3600,
                    help="seconds each run may take before its workers are killed")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `edgc train` options for every run")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.nproc < 1 or args.rank < 1 or args.jobs < 1:
-        raise ValueError("--steps, --nproc, --rank and --jobs must be positive")
+    if args.steps < 1 or args.nproc < 1 or args.rank < 1 or args.jobs < 1 or args.seeds < 1:
+        raise ValueError("--steps, --nproc, --rank, --jobs and --seeds must be positive")
     if args.jobs > 1 and args.bandwidth is not None:
         raise ValueError("--jobs > 1 shares the machine between runs; "
                          "an emulated cluster (--bandwidth) times one at a time")
     out = Path(args.out or f"runs/pareto-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = [a for a in args.train_args if a != "--"]
+    if args.seeds > 1 and any(a == "--seed" or a.startswith("--seed=") for a in extra):
+        raise ValueError(f"--seeds {args.seeds} sets every run's seed (1337, 1338, ...); "
+                         "leave --seed out of the edgc train options")
     ranks = parse_ranks(args.static_ranks, args.rank) if args.static_ranks else None
     runs = sweep(args.rank, split_policies(args.policies), ranks)
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
@@ -376,88 +535,159 @@ def run(args: argparse.Namespace) -> int:
     base = TrainConfig(preset=args.preset, steps=args.steps, nproc=args.nproc, data=args.data)
     base.validate()
     data = ensure_data(base)  # tokenise once, before any worker starts
+    first = TrainConfig.seed
+    seeds = [first + k for k in range(args.seeds)]
     out.mkdir(parents=True, exist_ok=True)
     with Cluster(args.nproc, args.bandwidth) as cluster:
         todo = []
-        for i, (name, _, _, method_args) in enumerate(runs, 1):
-            run_dir = out / name
+        total = len(runs) * len(seeds)
+        for i, (seed, (name, _, _, method_args)) in enumerate(((s, r) for s in seeds for r in runs), 1):
+            folder = run_dir(out, name, seed, first)
+            label = name if seed == first else f"{name} (seed {seed})"
             train_args = ["train", "--preset", args.preset, "--steps", str(args.steps), "--data", str(data),
-                          "--out", str(run_dir), "--no-progress", *method_args, *extra]
-            if _finished(run_dir, train_args, args.steps):
-                print(f"[pareto] {i}/{len(runs)} {name}: already done, reused", flush=True)
+                          "--out", str(folder), "--no-progress", *method_args,
+                          *([] if seed == first else ["--seed", str(seed)]), *extra]
+            if _finished(folder, train_args, args.steps):
+                print(f"[pareto] {i}/{total} {label}: already done, reused", flush=True)
             else:
-                todo.append((i, name, run_dir, train_args))
+                todo.append((i, label, folder, train_args))
 
-        def train(i: int, name: str, run_dir: Path, train_args: list[str]) -> None:
-            print(f"[pareto] {i}/{len(runs)} {name}: {args.steps} steps on {args.nproc} workers ...", flush=True)
+        def train(i: int, label: str, folder: Path, train_args: list[str]) -> None:
+            print(f"[pareto] {i}/{total} {label}: {args.steps} steps on {args.nproc} workers ...", flush=True)
             t0 = time.perf_counter()
-            diverged = train_on_cluster(cluster, train_args, run_dir, args.steps, timeout=args.timeout)
-            (run_dir / "pareto-args.json").write_text(json.dumps(train_args))
-            print(f"[pareto] {i}/{len(runs)} {name}: {'ended diverged' if diverged else 'done'} in "
+            diverged = train_on_cluster(cluster, train_args, folder, args.steps, timeout=args.timeout)
+            (folder / "pareto-args.json").write_text(json.dumps(train_args))
+            print(f"[pareto] {i}/{total} {label}: {'ended diverged' if diverged else 'done'} in "
                   f"{time.perf_counter() - t0:.0f}s" + (f" ({diverged})" if diverged else ""), flush=True)
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # (each run is its own processes)
             for done in [pool.submit(train, *job) for job in todo]:
                 done.result()  # the first failure, in sweep order
     static_max = f"powersgd-r{args.rank}"
-    target = _point(static_max, "static", args.rank, out / static_max, None).val_loss
-    points = [_point(name, kind, rank, out / name, target) for name, kind, rank, _ in runs]
+    points = []
+    for seed in seeds:
+        target = _point(static_max, "static", args.rank, run_dir(out, static_max, seed, first), None).val_loss
+        points += [_point(name, kind, rank, run_dir(out, name, seed, first), target) for name, kind, rank, _ in runs]
     link = f"{args.bandwidth} per link each way (tc tbf, namespaces)" if args.bandwidth else "loopback, no limit"
     along = {name: points_along(name, kind, rank, out / name) for name, kind, rank, _ in runs}
-    text = pareto_markdown(points, target, static_max,
+    text = pareto_markdown(points, statistics.fmean(p.val_loss for p in points if p.name == static_max), static_max,
                            f"{args.preset}, {args.nproc} workers, {link}, {args.steps} steps, r_max {args.rank}, "
-                           f"data {args.data or 'built-in corpus'}; {platform.machine()}, {os.cpu_count()} cores, "
-                           f"torch {torch.__version__}.", along_markdown(along, static_max))
+                           f"data {args.data or 'built-in corpus'}, "
+                           + (f"seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else f"seed {first}")
+                           + f"; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
+                           along_markdown(along, static_max))
     plot_pareto(points, out)
     (out / "pareto.md").write_text(text)
-    (out / "pareto.json").write_text(json.dumps([p.__dict__ for p in points], indent=1, default=str) + "\n")
+    (out / "pareto.json").write_text(json.dumps([p.record() for p in points], indent=1, default=str) + "\n")
     print(text, end="")
     print(f"report: {out / 'pareto.md'}")
     return 0
 
 
+def _by_run(points: list[ParetoPoint]) -> tuple[dict[str, list[ParetoPoint]], list[int]]:
+    """({run name: its points, one a seed, in the order of the seeds}, the seeds): the runs
+    in the order they first appear. Raises ValueError if the runs do not share their seeds."""
+    seeds = sorted({p.seed for p in points})
+    runs: dict[str, list[ParetoPoint]] = {}
+    for p in points:
+        runs.setdefault(p.name, []).append(p)
+    for name, pts in runs.items():
+        if sorted(p.seed for p in pts) != seeds:
+            raise ValueError(f"run {name} has seeds {sorted(p.seed for p in pts)}, the sweep {seeds}")
+        pts.sort(key=lambda p: p.seed)
+    return runs, seeds
+
+
+def _pairs(run: list[ParetoPoint], ref: list[ParetoPoint]) -> Judgement | None:
+    """How far `ref`'s loss lies above `run`'s over their seeds (`below` of the Judgement:
+    positive when `run` is lower), paired over the blocks where both kept them; None when
+    a loss is not finite."""
+    if not all(math.isfinite(p.val_loss) for p in run + ref):
+        return None
+    diffs = [_difference(p, r) for p, r in zip(run, ref, strict=True)]
+    return _combine([d for d, _, _ in diffs], [se for _, se, _ in diffs], all(pr for *_, pr in diffs))
+
+
+def _cell(j: Judgement | None) -> str:
+    """A paired difference's cell: run minus static, "+0.0120 ± 0.0009 (seeds ± 0.0031)"."""
+    if j is None or j.below is None or j.eval_se is None:
+        return "-"
+    seeds = f" (seeds ± {j.seed_se:.4f})" if j.seed_se is not None else ""
+    return f"{-j.below:+.4f} ± {j.eval_se:.4f}{seeds}" + ("" if j.paired else " combined")
+
+
 def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, setup: str, along: str = "") -> str:
-    """The sweep's table, the verdict of each non-static run, `along` (along_markdown's
-    table, if any) and the plots."""
-    statics = [p for p in points if p.kind == "static"]
-    ref = next((p for p in statics if p.name == target_name), None)
-    wires = sorted({p.wire for p in statics})
+    """The sweep's table (one row a run, its figures the means over its seeds), the paired
+    differences of every run against every static rank, the verdict of each non-static
+    run, `along` (along_markdown's table, if any) and the plots. `points` holds every run
+    at every seed (ParetoPoint.seed tells them apart)."""
+    runs, seeds = _by_run(points)
+    n = len(seeds)
+    statics = [[p for p in points if p.kind == "static" and p.seed == seed] for seed in seeds]
+    static_names = [name for name, pts in runs.items() if pts[0].kind == "static"]
+    ref = runs.get(target_name)
+    wires = sorted({p.wire for p in statics[0]})
     frontier_wire = wires[0] if len(wires) == 1 else " and ".join(wires)
+    loss_head = "final val loss ± SE" if n == 1 else f"final val loss, mean of {n} seeds ± their SD"
     lines = [
-        f"| run | wire | final val loss ± SE | MB sent | bytes vs {target_name} | wall time (s) | "
+        f"| run | wire | {loss_head} | MB sent | bytes vs {target_name} | wall time (s) | "
         f"time to {target:.4f} (s) | vs frontier (bytes) | vs frontier (time) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in points:
-        judged = p.kind != "static"
-        ttt = "not reached" if math.isinf(p.time_to_target) else f"{p.time_to_target:.1f}"
-        lines.append(
-            f"| {p.name} | {p.wire} | {p.val_loss:.4f} ± {p.val_se:.4f} | {p.bytes / 1e6:.1f} | "
-            f"{p.bytes / ref.bytes:.2f}x | {p.seconds:.1f} | {ttt} | "
-            f"{frontier_verdict(p, statics, 'bytes') if judged else 'frontier'} | "
-            f"{frontier_verdict(p, statics, 'seconds') if judged else 'frontier'} |"
-            if ref else f"| {p.name} | {p.wire} | {p.val_loss:.4f} | {p.bytes / 1e6:.1f} | - | {p.seconds:.1f} | {ttt} "
-                        "| - | - |"
-        )
+    judged: dict[str, tuple[Judgement, Judgement]] = {}
+    for name, pts in runs.items():
+        first = pts[0]
+        loss = statistics.fmean(p.val_loss for p in pts)
+        spread = first.val_se if n == 1 else statistics.stdev(p.val_loss for p in pts)
+        sent = statistics.fmean(p.bytes for p in pts)
+        seconds = statistics.fmean(p.seconds for p in pts)
+        reached = [p.time_to_target for p in pts]
+        ttt = "not reached" if any(math.isinf(t) for t in reached) else f"{statistics.fmean(reached):.1f}"
+        if first.kind != "static":
+            judged[name] = (judge(pts, statics, "bytes"), judge(pts, statics, "seconds"))
+        verdicts = [j.verdict for j in judged[name]] if name in judged else ["frontier", "frontier"]
+        if ref:
+            ref_bytes = statistics.fmean(p.bytes for p in ref)
+            lines.append(f"| {name} | {first.wire} | {loss:.4f} ± {spread:.4f} | {sent / 1e6:.1f} | "
+                         f"{sent / ref_bytes:.2f}x | {seconds:.1f} | {ttt} | {verdicts[0]} | {verdicts[1]} |")
+        else:
+            lines.append(f"| {name} | {first.wire} | {loss:.4f} | {sent / 1e6:.1f} | - | {seconds:.1f} | {ttt} "
+                         "| - | - |")
+    paired = ""
+    if static_names:
+        rows = ["| run | " + " | ".join(f"vs {s}" for s in static_names) + " |",
+                "|---|" + "---|" * len(static_names)]
+        for name, pts in runs.items():
+            rows.append(f"| {name} | " + " | ".join("—" if s == name else _cell(_pairs(pts, runs[s]))
+                                                   for s in static_names) + " |")
+        paired = (
+            "## Paired differences\n\nEach run's final validation loss minus each static rank's, over the same "
+            "validation blocks: the mean of the per-block differences ± their SE (the paired SE"
+            + (f", over {n} seeds: √(Σ SE²)/{n}; \"seeds ±\" is the SE of the mean difference from its spread "
+               "over the seeds)" if n > 1 else "; one seed: the spread a run with another seed would add is not "
+               "in it)")
+            + ". Negative: lower than the static rank. \"combined\": a run without block losses, with the "
+            "two losses' combined SE.\n\n" + "\n".join(rows) + "\n\n")
     notes = []
     if ref is not None:
-        for p in points:
-            if p.kind != "dynamic":
+        for name, pts in runs.items():
+            if pts[0].kind != "dynamic":
                 continue
-            margin = math.hypot(p.val_se, ref.val_se)
-            same = p.val_loss <= ref.val_loss + margin
-            gap = frontier_gap(p, statics)
-            below = ("" if gap is None else
-                     f" ({gap[0]:+.4f} below the frontier's loss at its bytes, margin {gap[1]:.4f})")
+            vs = _pairs(pts, ref)
+            sent = statistics.fmean(p.bytes for p in pts) / statistics.fmean(p.bytes for p in ref)
+            reach = ("" if vs is None or vs.below is None or vs.margin is None else
+                     f"{'reaches' if -vs.below <= vs.margin else 'does not reach'} {target_name}'s final loss within "
+                     f"the margin ({-vs.below:+.4f}, margin {vs.margin:.4f}) with {sent:.2f}x its bytes. ")
+            on_bytes, on_time = judged[name]
+            wire = pts[0].wire
             notes.append(
-                f"- {p.name}: {'reaches' if same else 'does not reach'} {target_name}'s final loss within one "
-                f"standard error ({p.val_loss:.4f} vs {ref.val_loss:.4f} ± {margin:.4f}) with "
-                f"{p.bytes / ref.bytes:.2f}x its bytes. Against the static frontier ({frontier_wire} wire"
-                + (", as this run's" if p.wire == frontier_wire else f"; this run's is {p.wire}: not the same wire")
-                + "): "
-                f"{frontier_verdict(p, statics, 'bytes')}{below} (loss vs bytes), "
-                f"{frontier_verdict(p, statics, 'seconds')} (loss vs time)."
+                f"- {name}: {reach}Against the static frontier ({frontier_wire} wire"
+                + (", as this run's" if wire == frontier_wire else f"; this run's is {wire}: not the same wire")
+                + f"): {on_bytes.describe()} (loss vs bytes), {on_time.verdict} (loss vs time)."
             )
+    rule = ("the margin is the larger of the gap's paired SE and its seed SE (the seeds' spread over "
+            f"√{n})" if n > 1 else "the margin is the gap's paired SE over the validation blocks (one seed: the "
+            "verdict is this seed's; --seeds puts the seeds' spread in the margin)")
     return (
         "# edgc bench pareto\n\n" + setup + f" The static frontier's factors travel in {frontier_wire} "
         "(EDGCConfig.wire, as every compressed run's unless --edgc-wire says otherwise after --).\n\n"
@@ -465,14 +695,22 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
         + ("\n".join(notes) + "\n\n" if notes else "")
         + "The frontier joins the static PowerSGD ranks that no other static rank beats (fewer bytes or less "
         "time and a lower loss); a verdict compares a run's final validation loss with "
-        "the frontier's at the same bytes (or wall time), interpolated in log space, with the combined standard "
-        "error as the margin. Wall time is the sum of step times (evaluation excluded).\n\n"
-        + along + "![loss vs bytes](pareto-bytes.png)\n![loss vs time](pareto-time.png)\n"
+        "the frontier's at the same bytes (or wall time), interpolated in log space, block by block; "
+        + rule + ". Runs without block losses are judged with the two losses' combined SE. Wall time is the "
+        "sum of step times (evaluation excluded).\n\n"
+        + paired + along + "![loss vs bytes](pareto-bytes.png)\n![loss vs time](pareto-time.png)\n"
     )
 
 
 def plot_pareto(points: list[ParetoPoint], out_dir: Path) -> list[Path]:
-    """pareto-bytes.png and pareto-time.png: final loss (± SE) against bytes and time."""
+    """pareto-bytes.png and pareto-time.png: final loss (± SE) against bytes and time; with
+    several seeds, each run's means over them (± the SE of the mean loss over the seeds)."""
+    runs, seeds = _by_run(points)
+    if len(seeds) > 1:
+        points = [ParetoPoint(name, pts[0].kind, pts[0].rank, statistics.fmean(p.val_loss for p in pts),
+                              statistics.stdev(p.val_loss for p in pts) / math.sqrt(len(pts)),
+                              statistics.fmean(p.bytes for p in pts), statistics.fmean(p.seconds for p in pts),
+                              math.inf, pts[0].wire) for name, pts in runs.items()]
     paths = []
     for axis, label, scale, fname in (("bytes", "MB sent per replica", 1e-6, "pareto-bytes.png"),
                                       ("seconds", "training wall time (s)", 1.0, "pareto-time.png")):

@@ -18,6 +18,12 @@ Both trainers (data-parallel and pipeline) evaluate the same way:
    over sqrt(count). Blocks of one file are correlated, so this SE is a lower bound on the
    spread one would see over other validation files; it measures the noise of the
    evaluation itself, which is what a comparison on the same blocks needs.
+4. **Each block's loss.** The block losses themselves are gathered too (one float64 a
+   block, summed over all ranks into their places), so that two runs on the same blocks
+   can be compared block by block: the SE of a paired difference (`paired_difference`)
+   is that of the per-block differences, far smaller than the two losses' combined SE
+   when the runs' errors move together, as they do on the same blocks. The trainers write
+   the last evaluation's to `val_blocks.npz` in the run folder (`save_block_losses`).
 
 Before this, evaluation used 8 random batches (8,192 tokens), and the same checkpoint's
 loss moved from 3.543 to 3.614 +- 0.076 over 64 random batches (issue 10).
@@ -28,17 +34,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from edgc.atomic import atomic_write
 from edgc.data import TokenFile
 from edgc.train.metrics import perplexity
 
-__all__ = ["EvalBatch", "EvalResult", "LossMoments", "block_losses", "eval_batches", "eval_starts", "val_record"]
+__all__ = ["BLOCKS_FILE", "BlockLosses", "EvalBatch", "EvalResult", "LossMoments", "block_losses", "eval_batches",
+           "eval_starts", "load_block_losses", "paired_difference", "save_block_losses", "val_record"]
+
+#: The run folder's file of the last evaluation's block losses (numpy .npz, no pickles).
+BLOCKS_FILE = "val_blocks.npz"
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,10 @@ class EvalResult:
 
     seconds: float
     """Wall time of the evaluation on this rank, the final all-reduce included."""
+
+    losses: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Each block's loss, float64 (blocks,), in the order of `eval_starts` (block i is
+    starts[i]); None where the blocks were not tracked (LossMoments without `blocks`)."""
 
 
 @dataclass(frozen=True)
@@ -123,25 +139,38 @@ def block_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class LossMoments:
     """Running sum, sum of squares and count of block losses on one rank, in float64;
-    `result` sums them over all ranks and returns the mean and its standard error."""
+    `result` sums them over all ranks and returns the mean and its standard error.
 
-    def __init__(self, device: torch.device) -> None:
-        self.moments = torch.zeros(3, dtype=torch.float64, device=device)  # [sum, sum of squares, count]
+    With `blocks` (the evaluation's number of blocks over all ranks), each block's loss is
+    kept in its place too (`add`'s `index`), and `result` gathers them all."""
+
+    def __init__(self, device: torch.device, blocks: int = 0) -> None:
+        # [sum, sum of squares, count, then each block's loss (blocks of them)]
+        self.moments = torch.zeros(3 + blocks, dtype=torch.float64, device=device)
+        self.blocks = blocks
         self.start = time.perf_counter()
 
-    def add(self, losses: torch.Tensor) -> None:
-        """Adds block losses (1-D)."""
+    def add(self, losses: torch.Tensor, index: np.ndarray | None = None) -> None:
+        """Adds block losses (1-D); `index`: their block numbers (positions in
+        `eval_starts`), needed when the blocks are tracked."""
         losses = losses.detach().double()
-        self.moments += torch.stack([losses.sum(), losses.square().sum(), losses.new_tensor(float(losses.numel()))])
+        self.moments[:3] += torch.stack([losses.sum(), losses.square().sum(),
+                                         losses.new_tensor(float(losses.numel()))])
+        if self.blocks:
+            if index is None or len(index) != losses.numel():
+                raise ValueError("LossMoments tracks each block: give the block numbers of the losses added")
+            self.moments[3 + torch.as_tensor(np.asarray(index), device=losses.device)] = losses
 
     def result(self, block_size: int, group: dist.ProcessGroup | None = None) -> EvalResult:
-        """Sums the moments over `group` (every rank must call this) and returns the
-        evaluation's figures. With no process group initialised, this rank's alone."""
+        """Sums the moments (and the block losses, each counted on one rank) over `group`
+        (every rank must call this) and returns the evaluation's figures. With no process
+        group initialised, this rank's alone."""
         total = self.moments.clone()
         if dist.is_available() and dist.is_initialized():
-            # collective (metrics only): all-reduce SUM of 3 float64 (24 bytes)
+            # collective (metrics only): all-reduce SUM of 3 + blocks float64
             dist.all_reduce(total, group=group)
-        s, sq, n = (float(v) for v in total.tolist())
+        each = total[3:].cpu().numpy() if self.blocks else None
+        s, sq, n = (float(v) for v in total[:3].tolist())
         mean = s / n if n else math.nan
         if n >= 2:
             # sample variance, (sum of squares - n * mean^2) / (n - 1); float64 holds the
@@ -151,7 +180,63 @@ class LossMoments:
         else:
             se = math.nan
         return EvalResult(loss=mean, se=se, blocks=int(n), tokens=int(n) * block_size,
-                          seconds=time.perf_counter() - self.start)
+                          seconds=time.perf_counter() - self.start, losses=each)
+
+
+@dataclass(frozen=True)
+class BlockLosses:
+    """One evaluation's loss on each block, as `val_blocks.npz` holds it."""
+
+    step: int
+    """The step evaluated."""
+
+    starts: np.ndarray
+    """int64 (blocks,): each block's first token in the validation file (`eval_starts`)."""
+
+    losses: np.ndarray
+    """float64 (blocks,): each block's mean token cross-entropy."""
+
+
+def save_block_losses(folder: str | Path, step: int, starts: np.ndarray, losses: np.ndarray) -> Path:
+    """Writes `val_blocks.npz` into the run folder `folder` (atomically) and returns its
+    path. Raises ValueError if starts and losses differ in length."""
+    starts, losses = np.asarray(starts, dtype=np.int64), np.asarray(losses, dtype=np.float64)
+    if starts.shape != losses.shape or starts.ndim != 1:
+        raise ValueError(f"block starts {starts.shape} and losses {losses.shape} must be 1-D and of one length")
+    path = Path(folder) / BLOCKS_FILE
+    with atomic_write(path) as f:
+        np.savez(f, step=np.int64(step), starts=starts, losses=losses)
+    return path
+
+
+def load_block_losses(folder: str | Path) -> BlockLosses | None:
+    """The run folder's last evaluation's block losses, or None if it has no
+    `val_blocks.npz` (a run from before they were kept). Loads arrays only (no pickles);
+    raises ValueError naming the file if it is not one edgc wrote."""
+    path = Path(folder) / BLOCKS_FILE
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            step, starts, losses = int(npz["step"]), npz["starts"], npz["losses"]
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"{str(path)!r} is not an edgc block-loss file ({exc})") from None
+    if starts.ndim != 1 or starts.shape != losses.shape or starts.dtype != np.int64 or losses.dtype != np.float64:
+        raise ValueError(f"{str(path)!r} is not an edgc block-loss file (starts {starts.dtype}{starts.shape}, "
+                         f"losses {losses.dtype}{losses.shape})")
+    return BlockLosses(step=step, starts=starts, losses=losses)
+
+
+def paired_difference(a: BlockLosses, b: BlockLosses) -> tuple[float, float]:
+    """(mean of a's block losses minus b's, its standard error): the sample standard
+    deviation of the per-block differences over sqrt(blocks). The two evaluations must be
+    of the same blocks (ValueError otherwise); NaN SE with fewer than two blocks."""
+    if a.starts.shape != b.starts.shape or not np.array_equal(a.starts, b.starts):
+        raise ValueError(f"the two evaluations are not of the same blocks ({len(a.starts)} and {len(b.starts)} "
+                         "blocks): a paired difference needs the same validation file, block_size and eval_tokens")
+    d = a.losses - b.losses  # (blocks,)
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) >= 2 else math.nan
+    return float(d.mean()), se
 
 
 def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:

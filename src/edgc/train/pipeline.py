@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -58,7 +59,15 @@ from edgc.train.common import (
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.emulate import emulate_device_time
-from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
+from edgc.train.evaluation import (
+    EvalResult,
+    LossMoments,
+    block_losses,
+    eval_batches,
+    eval_starts,
+    save_block_losses,
+    val_record,
+)
 from edgc.train.launch import report_step
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
@@ -255,18 +264,20 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
     from the schedule's merged output; the other stages add nothing to the sums. Every
     rank must call it; it returns the same result on all."""
     assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
-    moments = LossMoments(device)
-    starts = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)[layout.replica :: layout.dp]
+    every = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)
+    moments = LossMoments(device, blocks=len(every))
+    mine = np.arange(len(every))[layout.replica :: layout.dp]  # (this replica's block numbers)
     # (every stage of a replica walks the same blocks, so the schedule's sends and
     # receives pair up; the padded last batch keeps the micro-batch shapes fixed)
-    for batch in eval_batches(val, starts, cfg.block_size, cfg.batch_size, device):
+    for i, batch in enumerate(eval_batches(val, every[mine], cfg.block_size, cfg.batch_size, device)):
         with stage.no_sync():
             if layout.first:
                 schedule.eval(batch.x)
             elif layout.last:
                 logits = schedule.eval(target=batch.y, losses=[])  # (B, T, V), the micro-batches merged
                 if layout.tp_rank == 0:  # (the other TP ranks compute the same losses)
-                    moments.add(block_losses(logits, batch.y)[: batch.valid])
+                    first = i * cfg.batch_size
+                    moments.add(block_losses(logits, batch.y)[: batch.valid], mine[first : first + batch.valid])
             else:
                 schedule.eval()
     return moments.result(cfg.block_size)
@@ -409,6 +420,9 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
                 writer.write(record)
                 if val is not None:
                     writer.write(val_record(step, val))
+                    if step == cfg.steps and val.losses is not None:
+                        save_block_losses(cfg.out, step, eval_starts(len(val_tokens), cfg.block_size,
+                                                                     cfg.eval_tokens), val.losses)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:

@@ -22,7 +22,7 @@ LOCK_NAME = ".edgc.lock"
 
 # what a run writes into its folder (globs); --overwrite removes exactly these
 RUN_FILES = ("checkpoint.pt", "checkpoint-*.pt", "metrics.jsonl", "config.json", "summary.md", "dac.jsonl",
-             "errors.log", "loss.png", "entropy.png", "rank.png", "bytes.png", "stages.png",
+             "errors.log", "val_blocks.npz", "loss.png", "entropy.png", "rank.png", "bytes.png", "stages.png",
              "tensorboard/events.out.tfevents.*")
 
 

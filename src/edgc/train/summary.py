@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from edgc.train.evaluation import BlockLosses, paired_difference
 from edgc.train.metrics import perplexity, read_metrics
 
 if TYPE_CHECKING:
@@ -43,6 +46,9 @@ class RunSummary:
     """Bytes a worker sent on average to the experts' all-to-alls (activations; not in total_bytes)."""
     mean_busiest_share: float = math.nan
     """The busiest expert's share of the assignments, averaged over the steps (1/E: balanced)."""
+    blocks: BlockLosses | None = field(default=None, repr=False, compare=False)
+    """The final evaluation's block losses (val_blocks.npz), when the run kept them: the
+    comparison against another run on the same blocks is then paired."""
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -63,7 +69,11 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     return config, read_metrics(run_dir / "metrics.jsonl")
 
 
-def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) -> RunSummary:
+def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]],
+              blocks: BlockLosses | None = None) -> RunSummary:
+    """The comparison figures of one run from its config and metrics records; `blocks`,
+    the run folder's block losses (`load_block_losses`), are kept only if they are of its
+    last evaluation."""
     train = [r for r in records if r.get("kind") == "train"]
     val = [r for r in records if r.get("kind") == "val"]
     if not train:
@@ -87,23 +97,38 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]]) 
         total_a2a_bytes=sum(r.get("a2a_bytes", 0) for r in train),
         mean_busiest_share=(sum(r["busiest_expert_share"] for r in train) / len(train)
                             if all("busiest_expert_share" in r for r in train) else math.nan),
+        blocks=blocks if blocks is not None and val and val[-1]["step"] == blocks.step else None,
     )
 
 
-def compare_loss(loss: float, se: float, base_loss: float, base_se: float) -> str:
+def compare_loss(loss: float, se: float, base_loss: float, base_se: float,
+                 paired: tuple[float, float] | None = None) -> str:
     """`loss` against `base_loss` in percent, e.g. "+0.12% (within SE)" when the difference
     is at most their combined standard error sqrt(se^2 + base_se^2), "—" when either loss
-    is missing. (Both runs are evaluated on the same blocks, so their errors are positively
-    correlated and the combined SE overstates the noise of the difference: "within SE"
-    is a cautious verdict, and a difference outside it is real.)"""
+    is missing. Both runs are evaluated on the same blocks, so their errors are positively
+    correlated and the combined SE overstates the noise of the difference. With `paired`
+    (the mean of the per-block differences and its SE, edgc.train.evaluation's
+    `paired_difference`) the verdict uses that instead: "+0.12% (+0.0060 ± 0.0009 paired:
+    beyond SE)". Either measures the evaluation's noise, not another seed's."""
     if not (math.isfinite(loss) and math.isfinite(base_loss)) or base_loss == 0:
         return "—"
     diff = loss - base_loss
     text = f"{diff / base_loss:+.2%}"
+    if paired is not None and math.isfinite(paired[1]):
+        mean, pse = paired
+        return text + f" ({mean:+.4f} ± {pse:.4f} paired: {'within' if abs(mean) <= pse else 'beyond'} SE)"
     combined = math.sqrt(se * se + base_se * base_se)
     if math.isfinite(combined):
         text += " (within SE)" if abs(diff) <= combined else " (beyond SE)"
     return text
+
+
+def _paired(run: RunSummary, base: RunSummary) -> tuple[float, float] | None:
+    """run's loss minus base's over the same validation blocks, with its paired SE; None
+    without both runs' block losses, or when they were evaluated on other blocks."""
+    if run.blocks is None or base.blocks is None or not np.array_equal(run.blocks.starts, base.blocks.starts):
+        return None
+    return paired_difference(run.blocks, base.blocks)
 
 
 def _loss_with_se(loss: float, se: float) -> str:
@@ -122,7 +147,7 @@ def table_cells(summaries: list[RunSummary]) -> tuple[list[str], list[list[str]]
     rows = []
     for s in summaries:
         versus = "—" if s is base else compare_loss(s.final_val_loss, s.final_val_loss_se,
-                                                     base.final_val_loss, base.final_val_loss_se)
+                                                     base.final_val_loss, base.final_val_loss_se, _paired(s, base))
         rows.append([
             s.name, s.method, str(s.steps), _loss_with_se(s.final_val_loss, s.final_val_loss_se), versus,
             f"{s.final_val_ppl:.2f}", f"{s.total_bytes / 1e6:.1f}",

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -54,7 +55,15 @@ from edgc.train.common import (
 )
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
-from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, val_record
+from edgc.train.evaluation import (
+    EvalResult,
+    LossMoments,
+    block_losses,
+    eval_batches,
+    eval_starts,
+    save_block_losses,
+    val_record,
+)
 from edgc.train.experts import expert_digests, expert_record, expert_stats
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
@@ -370,14 +379,15 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
     (a TP rank other than its replica's first, which computes the same losses)."""
     assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     model.eval()
-    moments = LossMoments(device)
     every = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)
-    starts = every[rank::world]
+    moments = LossMoments(device, blocks=len(every))
+    mine = np.arange(len(every))[rank::world]  # (this replica's block numbers)
     batches = 0
-    for batch in eval_batches(val, starts, cfg.block_size, cfg.batch_size, device):
+    for batch in eval_batches(val, every[mine], cfg.block_size, cfg.batch_size, device):
         logits, _ = model(batch.x)  # (B, T, V)
         if count:
-            moments.add(block_losses(logits, batch.y)[: batch.valid])
+            first = batches * cfg.batch_size
+            moments.add(block_losses(logits, batch.y)[: batch.valid], mine[first : first + batch.valid])
         batches += 1
     if lockstep:
         most = -(-len(every[0::world]) // cfg.batch_size)  # (rank 0 holds the most blocks)
@@ -524,6 +534,9 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
                 writer.write(record)
                 if val is not None:
                     writer.write(val_record(step, val))
+                    if step == cfg.steps and val.losses is not None:
+                        save_block_losses(cfg.out, step, eval_starts(len(val_tokens), cfg.block_size,
+                                                                     cfg.eval_tokens), val.losses)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
