@@ -438,7 +438,8 @@ def along_markdown(along: dict[str, dict[int, ParetoPoint]], target_name: str) -
         lines.append(f"| {step} | {ref.val_loss:.4f} | " + " | ".join(cells) + " |")
     return ("## Along the run\n\nAt each evaluation, each dynamic run against the static frontier of that step (the "
             "static runs' losses then, against the bytes they had sent by then): whether a verdict holds through the "
-            "run or only at its end.\n\n" + "\n".join(lines) + "\n\n")
+            "run or only at its end. The first seed's runs; the margin is the two losses' combined SE, as a run "
+            "keeps the block losses of its last evaluation only.\n\n" + "\n".join(lines) + "\n\n")
 
 
 def _finished(run_dir: Path, args_list: list[str], steps: int) -> bool:
@@ -457,7 +458,8 @@ Train, on the same data and seed, one after the other: none (plain all-reduce), 
 PowerSGD at every static rank r_max/8 .. r_max, torch's PowerSGD hook at r_max, and each \
 dynamic policy of --policies; then plot validation loss against bytes and against time, \
 the static ranks joined as the frontier, and say in pareto.md whether each dynamic policy \
-lies beyond, on or behind it (the margin: the losses' combined standard error). On \
+lies beyond, on or behind it (the margin: the SE of the per-block gaps over the validation \
+blocks every run shares; with --seeds N, the larger of that and the seeds' SE). On \
 loopback unless --bandwidth asks for an emulated cluster. Finished runs in --out are \
 reused, so a stopped sweep continues where it was."""
 

@@ -88,8 +88,8 @@ class TrainConfig:
 
     nproc: int | None = None
     """Local workers started by `edgc train` (ignored under torchrun, which sets the world).
-    None: pp * dp when dp is given, dp_shard * dp_replicate under HSDP (dp_replicate
-    given, or 2 replicas), else pp when pp > 1 (one replica per stage), else 2."""
+    None: dp_shard * (dp_replicate, or dp, or 2) * tp for an FSDP2 run (`hsdp`), else
+    pp * dp * tp when dp is given, pp * tp when pp > 1 (one replica per stage), else 2."""
 
     device: str = "auto"
     """Where the workers train: "auto" (CUDA when a GPU is visible, else the CPU), "cpu"
@@ -453,8 +453,9 @@ class TrainConfig:
         return process_group_backend(self.resolved_device(), world, torch.cuda.device_count())
 
     def workers(self) -> int:
-        """The local workers `edgc train` starts: `nproc`, or when unset pp * dp (dp given),
-        pp (pp > 1: one replica per stage), or 2."""
+        """The local workers `edgc train` starts: `nproc`, or when unset (see `nproc`)
+        dp_shard * (dp_replicate, or dp, or 2) * tp under FSDP2, pp * dp * tp (dp given),
+        pp * tp (pp > 1: one replica per stage), or 2."""
         if self.nproc is not None:
             return self.nproc
         if self.hsdp:
