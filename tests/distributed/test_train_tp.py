@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from edgc.cli import main
 from edgc.config import EDGCConfig
 from edgc.models import build_model
 from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.evaluation import load_block_losses
 from edgc.train.launch import free_port
 from edgc.train.metrics import read_metrics
 
@@ -40,6 +42,13 @@ def test_tp2_gives_tp1_losses_uncompressed_and_saves_the_same_model(tmp_path, da
     for run in (tp, seq, whole):
         assert _losses(run) == pytest.approx(_losses(plain), rel=1e-5)
         assert _losses(run, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
+    # each block's loss counted once, by one TP rank of its replica
+    blocks = load_block_losses(tmp_path / "dp")
+    assert blocks is not None and blocks.step == 4
+    for run in ("tp", "whole"):
+        other = load_block_losses(tmp_path / run)
+        assert other is not None and np.array_equal(other.starts, blocks.starts)
+        np.testing.assert_allclose(other.losses, blocks.losses, rtol=1e-5)
     # the checkpoint holds the model as one process would (c_attn's rows in GPT-2's order;
     # a row out of place would differ by ~0.1): equal but for the sums' float order, which
     # Adam's normalisation turns into at most ~2e-5 after 4 steps of lr 6e-4
@@ -89,6 +98,11 @@ def test_pp2_tp2_dp2_gives_the_pipelines_losses_then_compresses_and_resumes_exac
                 "--no-vocab-parallel", *small)
     assert _losses(tp) == pytest.approx(_losses(plain), rel=1e-5)
     assert _losses(tp, "val", "val_loss") == pytest.approx(_losses(plain, "val", "val_loss"), rel=1e-5)
+    # each block's loss counted once, by the last stage's first TP rank of its replica
+    a, b = load_block_losses(tmp_path / "pp"), load_block_losses(tmp_path / "pptp")
+    assert a is not None and b is not None and np.array_equal(a.starts, b.starts)
+    np.testing.assert_allclose(b.losses, a.losses, rtol=1e-5)
+    assert float(a.losses.mean()) == pytest.approx(_losses(plain, "val", "val_loss")[-1], rel=1e-9)
 
     # (the embedding and the head's copy split on the vocabulary here, the default; whole in the run above)
     common = ["--method", "edgc", "--steps", "8", "--eval-every", "4", "--checkpoint-every", "4", "--pp", "2",
