@@ -44,10 +44,11 @@ import torch.nn.functional as F
 
 from edgc.atomic import atomic_write
 from edgc.data import TokenFile
-from edgc.train.metrics import perplexity
+from edgc.train.metrics import MetricsWriter, perplexity
 
 __all__ = ["BLOCKS_FILE", "BlockLosses", "EvalBatch", "EvalResult", "LossMoments", "block_losses", "eval_batches",
-           "eval_starts", "load_block_losses", "paired_difference", "save_block_losses", "val_record"]
+           "eval_starts", "load_block_losses", "paired_difference", "save_block_losses", "val_record",
+           "write_evaluation"]
 
 #: The run folder's file of the last evaluation's block losses (numpy .npz, no pickles).
 BLOCKS_FILE = "val_blocks.npz"
@@ -246,3 +247,13 @@ def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:
         # (a diverged model's loss overflows exp; the writer logs inf and nan as null)
         "val_ppl": perplexity(result.loss), "val_tokens": result.tokens, "val_time": result.seconds,
     }
+
+
+def write_evaluation(writer: MetricsWriter, step: int, result: EvalResult, *, last: bool, folder: str | Path,
+                     val: TokenFile, block_size: int, eval_tokens: int | None) -> None:
+    """Logs one evaluation's metrics line (`val_record`) and, at the run's `last` step,
+    keeps each block's loss in the run `folder` (`save_block_losses`; the blocks of
+    `eval_starts(len(val), block_size, eval_tokens)`). Rank 0's, which holds the writer."""
+    writer.write(val_record(step, result))
+    if last and result.losses is not None:
+        save_block_losses(folder, step, eval_starts(len(val), block_size, eval_tokens), result.losses)

@@ -59,15 +59,7 @@ from edgc.train.common import (
 from edgc.train.common import model_config as model_config_of
 from edgc.train.config import TrainConfig
 from edgc.train.emulate import emulate_device_time
-from edgc.train.evaluation import (
-    EvalResult,
-    LossMoments,
-    block_losses,
-    eval_batches,
-    eval_starts,
-    save_block_losses,
-    val_record,
-)
+from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, write_evaluation
 from edgc.train.launch import report_step
 from edgc.train.metrics import MetricsWriter
 from edgc.train.progress import ProgressDisplay
@@ -419,10 +411,8 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             if writer is not None:
                 writer.write(record)
                 if val is not None:
-                    writer.write(val_record(step, val))
-                    if step == cfg.steps and val.losses is not None:
-                        save_block_losses(cfg.out, step, eval_starts(len(val_tokens), cfg.block_size,
-                                                                     cfg.eval_tokens), val.losses)
+                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out, val=val_tokens,
+                                     block_size=cfg.block_size, eval_tokens=cfg.eval_tokens)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:

@@ -55,15 +55,7 @@ from edgc.train.common import (
 )
 from edgc.train.config import TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
-from edgc.train.evaluation import (
-    EvalResult,
-    LossMoments,
-    block_losses,
-    eval_batches,
-    eval_starts,
-    save_block_losses,
-    val_record,
-)
+from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, write_evaluation
 from edgc.train.experts import expert_digests, expert_record, expert_stats
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
@@ -533,10 +525,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             if writer is not None:
                 writer.write(record)
                 if val is not None:
-                    writer.write(val_record(step, val))
-                    if step == cfg.steps and val.losses is not None:
-                        save_block_losses(cfg.out, step, eval_starts(len(val_tokens), cfg.block_size,
-                                                                     cfg.eval_tokens), val.losses)
+                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out, val=val_tokens,
+                                     block_size=cfg.block_size, eval_tokens=cfg.eval_tokens)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
