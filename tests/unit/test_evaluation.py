@@ -132,7 +132,7 @@ def test_each_replica_fills_in_its_own_blocks(val_file):
 
 
 def test_loss_moments_refuse_block_losses_without_their_numbers():
-    moments = LossMoments(torch.device("cpu"), blocks=4)
+    moments = LossMoments(torch.device("cpu"), starts=np.arange(4, dtype=np.int64) * 8)
     with pytest.raises(ValueError, match="block numbers"):
         moments.add(torch.ones(2))
     moments.add(torch.tensor([1.0, 3.0]), np.array([3, 1]))
@@ -159,6 +159,8 @@ def test_block_losses_round_trip_and_pair(tmp_path):
     combined = math.hypot(a.std(ddof=1), b.std(ddof=1)) / math.sqrt(10)
     assert se < combined / 50  # (the paired SE sees through the blocks' shared spread)
     assert load_block_losses(tmp_path) is None  # (no file: a run from before they were kept)
+    assert load_block_losses(tmp_path / "a", 500) is not None
+    assert load_block_losses(tmp_path / "a", 499) is None  # (another evaluation's: they would not pair)
 
 
 def test_block_losses_refuse_other_blocks_and_files_that_are_not_theirs(tmp_path):

@@ -71,30 +71,9 @@ END_TOLERANCE = 0.01
 
 def frontier_verdict(point: ParetoPoint, statics: list[ParetoPoint], axis: str) -> str:
     """Where `point` lies against the static frontier on the loss-vs-`axis` plot ("bytes"
-    or "seconds"): "beyond", "on", "behind" or "outside the frontier" (see module doc)."""
-    pts = frontier(statics, axis)
-    if not pts:
-        return "no frontier"
-    if not math.isfinite(point.val_loss):
-        return "no finite loss"
-    xs = [getattr(s, axis) for s in pts]
-    x = getattr(point, axis)
-    gap = frontier_gap(point, statics, axis)
-    if gap is not None:
-        below, margin = gap
-        if below > margin:
-            return "beyond"
-        return "on" if below >= -margin else "behind"
-    nearest = pts[0] if x < xs[0] else pts[-1]
-    margin = math.hypot(point.val_se, nearest.val_se)
-    if abs(x - getattr(nearest, axis)) <= END_TOLERANCE * getattr(nearest, axis) \
-            and abs(point.val_loss - nearest.val_loss) <= margin:
-        return "on"  # at the frontier's end point (e.g. a policy that held r_max, plus its control bytes)
-    if x <= getattr(nearest, axis) and point.val_loss < nearest.val_loss - margin:
-        return "beyond"  # fewer bytes (or less time) and a lower loss than a static run
-    if x >= getattr(nearest, axis) and point.val_loss > nearest.val_loss + margin:
-        return "behind"
-    return "outside the frontier"
+    or "seconds"): "beyond", "on", "behind" or "outside the frontier" (see module doc);
+    `judge`'s verdict for one seed."""
+    return judge([point], [statics], axis).verdict
 
 
 def _interpolation(point: ParetoPoint, statics: list[ParetoPoint], axis: str

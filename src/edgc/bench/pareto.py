@@ -178,7 +178,6 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
     val = [r for r in records if r.get("kind") == "val"]
     last = val[-1] if val else {}
     loss = last.get("val_loss")
-    blocks = load_block_losses(run_dir)
     return ParetoPoint(
         name=name, kind=kind, rank=rank,
         val_loss=float(loss) if loss is not None else math.nan,
@@ -189,7 +188,7 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
         wire=_wire(config, kind),
         seed=int(config.get("seed", TrainConfig.seed)),
         # (only the last evaluation's blocks are kept: they pair with the final loss)
-        blocks=blocks if blocks is not None and last.get("step") == blocks.step else None,
+        blocks=load_block_losses(run_dir, last["step"]) if last else None,
     )
 
 

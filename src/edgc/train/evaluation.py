@@ -23,7 +23,7 @@ Both trainers (data-parallel and pipeline) evaluate the same way:
    can be compared block by block: the SE of a paired difference (`paired_difference`)
    is that of the per-block differences, far smaller than the two losses' combined SE
    when the runs' errors move together, as they do on the same blocks. The trainers write
-   the last evaluation's to `val_blocks.npz` in the run folder (`save_block_losses`).
+   the last evaluation's to `val_blocks.npz` in the run folder (`write_evaluation`).
 
 Before this, evaluation used 8 random batches (8,192 tokens), and the same checkpoint's
 loss moved from 3.543 to 3.614 +- 0.076 over 64 random batches (issue 10).
@@ -75,8 +75,11 @@ class EvalResult:
     """Wall time of the evaluation on this rank, the final all-reduce included."""
 
     losses: np.ndarray | None = field(default=None, compare=False, repr=False)
-    """Each block's loss, float64 (blocks,), in the order of `eval_starts` (block i is
-    starts[i]); None where the blocks were not tracked (LossMoments without `blocks`)."""
+    """Each block's loss, float64 (blocks,), block i the one at `starts[i]`; None where the
+    blocks were not tracked (LossMoments without `starts`)."""
+
+    starts: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """The blocks' first tokens in the validation file (`eval_starts`), with `losses`."""
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,14 @@ class LossMoments:
     """Running sum, sum of squares and count of block losses on one rank, in float64;
     `result` sums them over all ranks and returns the mean and its standard error.
 
-    With `blocks` (the evaluation's number of blocks over all ranks), each block's loss is
-    kept in its place too (`add`'s `index`), and `result` gathers them all."""
+    With `starts` (the evaluation's blocks over all ranks, `eval_starts`), each block's loss
+    is kept in its place too (`add`'s `index`), and `result` gathers them all."""
 
-    def __init__(self, device: torch.device, blocks: int = 0) -> None:
+    def __init__(self, device: torch.device, starts: np.ndarray | None = None) -> None:
+        self.starts = starts
+        self.blocks = 0 if starts is None else len(starts)
         # [sum, sum of squares, count, then each block's loss (blocks of them)]
-        self.moments = torch.zeros(3 + blocks, dtype=torch.float64, device=device)
-        self.blocks = blocks
+        self.moments = torch.zeros(3 + self.blocks, dtype=torch.float64, device=device)
         self.start = time.perf_counter()
 
     def add(self, losses: torch.Tensor, index: np.ndarray | None = None) -> None:
@@ -181,7 +185,7 @@ class LossMoments:
         else:
             se = math.nan
         return EvalResult(loss=mean, se=se, blocks=int(n), tokens=int(n) * block_size,
-                          seconds=time.perf_counter() - self.start, losses=each)
+                          seconds=time.perf_counter() - self.start, losses=each, starts=self.starts)
 
 
 @dataclass(frozen=True)
@@ -210,22 +214,24 @@ def save_block_losses(folder: str | Path, step: int, starts: np.ndarray, losses:
     return path
 
 
-def load_block_losses(folder: str | Path) -> BlockLosses | None:
+def load_block_losses(folder: str | Path, step: int | None = None) -> BlockLosses | None:
     """The run folder's last evaluation's block losses, or None if it has no
-    `val_blocks.npz` (a run from before they were kept). Loads arrays only (no pickles);
-    raises ValueError naming the file if it is not one edgc wrote."""
+    `val_blocks.npz` (a run from before they were kept) or, with `step`, if they are of
+    another step's evaluation (they pair only with the loss of the one they were taken at).
+    Loads arrays only (no pickles); raises ValueError naming the file if it is not one edgc
+    wrote."""
     path = Path(folder) / BLOCKS_FILE
     if not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as npz:
-            step, starts, losses = int(npz["step"]), npz["starts"], npz["losses"]
+            saved, starts, losses = int(npz["step"]), npz["starts"], npz["losses"]
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"{str(path)!r} is not an edgc block-loss file ({exc})") from None
     if starts.ndim != 1 or starts.shape != losses.shape or starts.dtype != np.int64 or losses.dtype != np.float64:
         raise ValueError(f"{str(path)!r} is not an edgc block-loss file (starts {starts.dtype}{starts.shape}, "
                          f"losses {losses.dtype}{losses.shape})")
-    return BlockLosses(step=step, starts=starts, losses=losses)
+    return BlockLosses(step=saved, starts=starts, losses=losses) if step in (None, saved) else None
 
 
 def paired_difference(a: BlockLosses, b: BlockLosses) -> tuple[float, float]:
@@ -249,11 +255,10 @@ def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:
     }
 
 
-def write_evaluation(writer: MetricsWriter, step: int, result: EvalResult, *, last: bool, folder: str | Path,
-                     val: TokenFile, block_size: int, eval_tokens: int | None) -> None:
+def write_evaluation(writer: MetricsWriter, step: int, result: EvalResult, *, last: bool, folder: str | Path) -> None:
     """Logs one evaluation's metrics line (`val_record`) and, at the run's `last` step,
-    keeps each block's loss in the run `folder` (`save_block_losses`; the blocks of
-    `eval_starts(len(val), block_size, eval_tokens)`). Rank 0's, which holds the writer."""
+    keeps each block's loss in the run `folder` (`save_block_losses`). Rank 0's, which
+    holds the writer."""
     writer.write(val_record(step, result))
-    if last and result.losses is not None:
-        save_block_losses(folder, step, eval_starts(len(val), block_size, eval_tokens), result.losses)
+    if last and result.losses is not None and result.starts is not None:
+        save_block_losses(folder, step, result.starts, result.losses)

@@ -257,7 +257,7 @@ def _evaluate(schedule: Any, stage: EDGCPipelineStage, layout: _Layout, val: Tok
     rank must call it; it returns the same result on all."""
     assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     every = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)
-    moments = LossMoments(device, blocks=len(every))
+    moments = LossMoments(device, starts=every)
     mine = np.arange(len(every))[layout.replica :: layout.dp]  # (this replica's block numbers)
     # (every stage of a replica walks the same blocks, so the schedule's sends and
     # receives pair up; the padded last batch keeps the micro-batch shapes fixed)
@@ -411,8 +411,7 @@ def train_pipeline_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_
             if writer is not None:
                 writer.write(record)
                 if val is not None:
-                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out, val=val_tokens,
-                                     block_size=cfg.block_size, eval_tokens=cfg.eval_tokens)
+                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:

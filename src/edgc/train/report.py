@@ -21,7 +21,8 @@ def report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[RunSumma
     for d in run_dirs:
         config, records = load_run(d)
         loaded.append((Path(d).name, config, records))
-        blocks.append(load_block_losses(d))
+        last = [r["step"] for r in records if r.get("kind") == "val"]
+        blocks.append(load_block_losses(d, last[-1]) if last else None)
     names = [n for n, _, _ in loaded]
     if len(set(names)) != len(names):  # same folder names in different places: use the paths
         loaded = [(str(d), c, r) for d, (_, c, r) in zip(run_dirs, loaded, strict=True)]

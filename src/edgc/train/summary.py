@@ -72,8 +72,7 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
 def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]],
               blocks: BlockLosses | None = None) -> RunSummary:
     """The comparison figures of one run from its config and metrics records; `blocks`,
-    the run folder's block losses (`load_block_losses`), are kept only if they are of its
-    last evaluation."""
+    the block losses of its last evaluation (`load_block_losses(folder, step)`), if kept."""
     train = [r for r in records if r.get("kind") == "train"]
     val = [r for r in records if r.get("kind") == "val"]
     if not train:
@@ -97,7 +96,7 @@ def summarize(name: str, config: dict[str, Any], records: list[dict[str, Any]],
         total_a2a_bytes=sum(r.get("a2a_bytes", 0) for r in train),
         mean_busiest_share=(sum(r["busiest_expert_share"] for r in train) / len(train)
                             if all("busiest_expert_share" in r for r in train) else math.nan),
-        blocks=blocks if blocks is not None and val and val[-1]["step"] == blocks.step else None,
+        blocks=blocks,
     )
 
 

@@ -372,7 +372,7 @@ def evaluate(model: torch.nn.Module, val: TokenFile, cfg: TrainConfig, rank: int
     assert cfg.block_size is not None  # (resolved: TrainConfig.resolve filled it in)
     model.eval()
     every = eval_starts(len(val), cfg.block_size, cfg.eval_tokens)
-    moments = LossMoments(device, blocks=len(every))
+    moments = LossMoments(device, starts=every)
     mine = np.arange(len(every))[rank::world]  # (this replica's block numbers)
     batches = 0
     for batch in eval_batches(val, every[mine], cfg.block_size, cfg.batch_size, device):
@@ -525,8 +525,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             if writer is not None:
                 writer.write(record)
                 if val is not None:
-                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out, val=val_tokens,
-                                     block_size=cfg.block_size, eval_tokens=cfg.eval_tokens)
+                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
