@@ -120,7 +120,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     run = p.add_argument_group("which run")
     run.add_argument("--config", metavar="FILE", type=_path_text,
                      help="TOML or JSON file of training options (an [edgc] table for EDGCConfig, a [dac] table "
-                          "for DACConfig); flags given here win")
+                          "for DACConfig, an [expert_edgc] table for the experts'); flags given here win")
     run.add_argument("--resume", metavar="RUN", type=_path_text,
                      help="continue the run in this folder from its checkpoint.pt, or from a checkpoint file in it "
                           "(see --keep-checkpoints), with the settings it was made with")
@@ -137,17 +137,28 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     _add_fields(group, EDGCConfig, "edgc-", "edgc__", shown_defaults=TrainConfig.SCALED_EDGC_DEFAULTS)
     group = p.add_argument_group("DACConfig fields, as --dac-FIELD, with --pp > 1 (edgc.policy.dac)")
     _add_fields(group, DACConfig, "dac-", "dac__")
+    group = p.add_argument_group("the experts' own compression, as --expert-edgc-FIELD, with tiny-moe or small-moe "
+                                 "(any EDGCConfig field in a config file's [expert_edgc] table; docs/moe.md)")
+    _add_fields(group, EDGCConfig, "expert-edgc-", "expert_edgc__", EXPERT_FLAGS, same_as="edgc-")
+
+
+#: The EDGCConfig fields `edgc train` has --expert-edgc-FIELD flags for (TrainConfig.expert_edgc);
+#: a config file's [expert_edgc] table takes any field.
+EXPERT_FLAGS = ("policy", "max_rank", "min_rank", "rank_step", "warmup", "warmup_steps", "warmup_min_steps",
+                "warmup_max_error", "wire", "state_dtype", "use_error_feedback", "warm_start", "noise")
 
 
 def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tuple[str, ...] | None = None,
-                shown_defaults: dict[str, str] | None = None) -> None:
+                shown_defaults: dict[str, str] | None = None, same_as: str | None = None) -> None:
     """One flag --<flag_prefix><field> per field of the config dataclass `cls` (those in
     `names`, by default all), parsed by the field's type (edgc.fields.FieldType.parse),
     with its docstring and default as help, its CHOICES or METAVARS entry as placeholder;
     `shown_defaults` gives a default in words where the run sets it. A section's fields
     (EDGCConfig.noise) have flags --<flag_prefix><section>-<field>, whose dest joins them
     with "_" (the config's flat form, "noise_exponent"). Dict fields (TrainConfig.edgc,
-    .dac) have flags of their own and none here."""
+    .dac) have flags of their own and none here. `same_as`: the prefix of flags that set
+    the same fields for the whole run, which each flag's help names instead of repeating
+    the field's documentation."""
     choices = getattr(cls, "CHOICES", {})
     metavars = getattr(cls, "METAVARS", {})
     docs = field_docs(cls)
@@ -158,11 +169,16 @@ def _add_fields(group, cls: type, flag_prefix: str, dest_prefix: str, names: tup
         if ftype.kind is dict:
             continue
         if ftype.section:
-            _add_fields(group, ftype.kind, f"{flag_prefix}{name.replace('_', '-')}-", f"{dest_prefix}{name}_")
+            inner = None if same_as is None else f"{same_as}{name.replace('_', '-')}-"
+            _add_fields(group, ftype.kind, f"{flag_prefix}{name.replace('_', '-')}-", f"{dest_prefix}{name}_",
+                        same_as=inner)
             continue
         flag = f"--{flag_prefix}{name.replace('_', '-')}"
         shown = (shown_defaults or {}).get(name) or _shown(defaults[name])
         help_text = f"{_as_typed(docs.get(name, ''))} (default: {shown})".replace("%", "%%")
+        if same_as is not None:
+            twin = f"--{same_as}{name.replace('_', '-')}"
+            help_text = f"{twin} for the experts' gradients (default: the run's {twin})"
         if ftype.kind is bool:
             group.add_argument(flag, dest=dest_prefix + name, action=_BoolFlag, type=_typed(ftype),
                                default=argparse.SUPPRESS, metavar="true|false", help=help_text)
@@ -237,13 +253,15 @@ def _typed(ftype: FieldType):
 
 def _given_options(args: argparse.Namespace) -> dict:
     """The training options this command gives, from --config and the flags (flags win):
-    TrainConfig fields, with "edgc" and "dac" dicts of EDGCConfig / DACConfig fields.
+    TrainConfig fields, with "edgc", "dac" and "expert_edgc" dicts of EDGCConfig / DACConfig
+    fields.
     A flag given as null is there as None (it unsets the option, or a resumed run's value)."""
     from edgc.train.config import TrainConfig, load_config_file
 
-    values: dict = load_config_file(args.config, tables=("edgc", "dac")) if args.config else {}
+    values: dict = load_config_file(args.config, tables=("edgc", "dac", "expert_edgc")) if args.config else {}
     edgc_values = dict(values.pop("edgc", {}))
     dac_values = dict(values.pop("dac", {}))
+    expert_values = dict(values.pop("expert_edgc", {}))
     fields = set(field_types(TrainConfig))
     # (a field's flag is in `args` only when given; the rest of `args` is not an option: --resume, -v)
     for key, value in vars(args).items():
@@ -251,10 +269,13 @@ def _given_options(args: argparse.Namespace) -> dict:
             edgc_values[key[len("edgc__"):]] = value
         elif key.startswith("dac__"):
             dac_values[key[len("dac__"):]] = value
+        elif key.startswith("expert_edgc__"):
+            expert_values[key[len("expert_edgc__"):]] = value
         elif key in fields:
             values[key] = value
     values["edgc"] = edgc_values
     values["dac"] = dac_values
+    values["expert_edgc"] = expert_values
     return values
 
 

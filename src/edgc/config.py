@@ -35,8 +35,8 @@ from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
 __all__ = ["ADDED_FIELDS", "MAX_RANK", "MAX_UNITS", "ORTHOGONALIZATIONS", "REMOVED_FIELDS", "SECTIONS", "SEED_LIMIT",
-           "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig", "pipeline_refusal", "upgrade_config_v1",
-           "with_added_fields"]
+           "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig", "flat_sections", "pipeline_refusal",
+           "upgrade_config_v1", "with_added_fields"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
@@ -422,6 +422,16 @@ class EDGCConfig:
 
 #: The default of EDGCConfig.warmup_max_error, which other warm-up modes leave as it is.
 _DEFAULT_MAX_ERROR = EDGCConfig.__dataclass_fields__["warmup_max_error"].default
+
+
+def flat_sections(values: dict[str, Any]) -> dict[str, Any]:
+    """EDGCConfig options with each section's table ({"noise": {"exponent": 0.2}}) as flat
+    keys ("noise_exponent"), as the command line names them (`nest` undoes it)."""
+    out = {k: v for k, v in values.items() if not (k in SECTIONS and isinstance(v, dict))}
+    for name in SECTIONS:
+        if isinstance(values.get(name), dict):
+            out.update({f"{name}_{k}": v for k, v in values[name].items()})
+    return out
 
 
 def nest(values: dict[str, Any]) -> dict[str, Any]:

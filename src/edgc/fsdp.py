@@ -475,7 +475,8 @@ def _expert_groups(expert_mesh: DeviceMesh, shard_mesh: DeviceMesh, replicate_di
 
 def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None = None, *,
                   replicate_dim: str = "replicate", shard_dim: str = "shard",
-                  expert_mesh: DeviceMesh | None = None) -> EDGCFSDPState:
+                  expert_mesh: DeviceMesh | None = None,
+                  expert_config: EDGCConfig | None = None) -> EDGCFSDPState:
     """Hook EDGC into every FSDPModule of `model`, sharded with
     `fully_shard(module, mesh=mesh[shard_dim])`; returns the state (stats, checkpoints).
 
@@ -493,11 +494,16 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     experts, by a compression core of their own (own error feedback, Q, rank and
     signals, agreed over the processes of the same EP rank); their FSDP divide factor is
     set to shards x ep, so that every gradient ends divided by the whole data-parallel
-    degree. `expert_stats()` gives their counters.
+    degree. `expert_stats()` gives their counters. `expert_config`: the experts' core's
+    own settings (their policy, rank range, warm-up, wire), where they should differ from
+    `config`'s; None: `config`'s.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("register_edgc needs torch.distributed initialised (init_process_group or torchrun)")
     replicate_mesh, shard_mesh = _mesh_groups(mesh, replicate_dim, shard_dim)
+    if expert_config is not None and expert_mesh is None:
+        raise ValueError("register_edgc was given an expert_config but no expert_mesh: the experts' settings "
+                         "apply to the FSDPModules sharded on expert_mesh (edgc.moe.expert_mesh)")
     experts = None if expert_mesh is None else _expert_groups(expert_mesh, shard_mesh, replicate_dim, shard_dim)
     hooked, modules = _fsdp_modules(model, _ranks(shard_mesh.get_group()), shard_dim,
                                     experts[1].get_group() if experts is not None else None)
@@ -520,7 +526,8 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
             raise ValueError(f"register_edgc was given an expert_mesh, but no FSDPModule is sharded on "
                              f"expert_mesh[{shard_dim!r}]: fully_shard(block.mlp.experts, "
                              f"mesh=expert_mesh[{shard_dim!r}]) before the blocks")
-        expert_sync = GradientSync(e_replicate.get_group(), config, eager=True,
+        expert_sync = GradientSync(e_replicate.get_group(), config if expert_config is None else expert_config,
+                                   eager=True,
                                    control_group=_stage_group(expert_mesh, (replicate_dim, shard_dim)))
         expert_sync.declare([m.entries for m in mine], [m.group.reduce_dtype for m in mine])
         gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"

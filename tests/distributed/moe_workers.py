@@ -25,7 +25,8 @@ def batch(step: int, rank: int, vocab: int = 2048) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=g)
 
 
-def _model(layout: tuple[int, int], ep: int, config: dict[str, Any], idle: bool = False):
+def _model(layout: tuple[int, int], ep: int, config: dict[str, Any], idle: bool = False,
+           expert_config: dict[str, Any] | None = None):
     torch.manual_seed(0)
     model = build_model(PRESET, block_size=32)
     if idle:  # expert 0 of every block never chosen: its router logit pushed far down
@@ -40,17 +41,20 @@ def _model(layout: tuple[int, int], ep: int, config: dict[str, Any], idle: bool 
         fully_shard(block.mlp.experts, mesh=sparse["shard"])
         fully_shard(block, mesh=dense["shard"])
     fully_shard(model, mesh=dense["shard"])
-    state = register_edgc(model, dense, EDGCConfig(**config), expert_mesh=sparse)
+    state = register_edgc(model, dense, EDGCConfig(**config), expert_mesh=sparse,
+                          expert_config=None if expert_config is None else EDGCConfig(**expert_config))
     return model, state, sparse, dispatch
 
 
 def train(rank: int, world: int, layout: tuple[int, int], ep: int, config: dict[str, Any], steps: int,
-          idle: bool = False, resume: bytes | None = None, first: int = 0) -> dict[str, Any]:
+          idle: bool = False, resume: bytes | None = None, first: int = 0,
+          expert_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train `steps` steps (from step `first`, after loading `resume`: a state_dict as
     bytes); returns what the tests compare: each parameter made whole over its shards
     (experts: this EP rank's), the losses, both groups' ranks and stats, the reference
-    gradients of the first step, and the states."""
-    model, state, sparse, dispatch = _model(layout, ep, config, idle)
+    gradients of the first step, and the states. `expert_config`: the experts' own
+    EDGCConfig fields (register_edgc's expert_config)."""
+    model, state, sparse, dispatch = _model(layout, ep, config, idle, expert_config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if resume is not None:
         saved = torch.load(io.BytesIO(resume), weights_only=False)
@@ -85,6 +89,21 @@ def reference(world: int, steps: int) -> dict[str, torch.Tensor]:
         _, loss = model(batch(0, rank), batch(0, rank))
         (loss / world).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def refuse_expert_config_alone(rank: int, world: int) -> str:
+    """register_edgc given the experts' settings but no expert mesh: the error it raises."""
+    torch.manual_seed(0)
+    model = build_model(PRESET, block_size=32)
+    dense = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.h:
+        fully_shard(block, mesh=dense["shard"])
+    fully_shard(model, mesh=dense["shard"])
+    try:
+        register_edgc(model, dense, EDGCConfig(max_rank=4), expert_config=EDGCConfig(max_rank=2))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def refuse_ddp(rank: int, world: int) -> str:

@@ -3,6 +3,7 @@ expert_mesh) on 4 gloo processes, and `edgc train --preset tiny-moe --ep 2 --npr
 the README writes it."""
 
 import io
+import json
 import math
 
 import pytest
@@ -86,6 +87,25 @@ def test_a_resumed_run_repeats_the_uninterrupted_one():
     assert "ep" in part[0]["state"] and part[0]["state"]["ep"] == 2
 
 
+def test_the_experts_take_settings_of_their_own():
+    # the experts at static rank 2 in the int8 wire, the dense gradients at the moving rank
+    # (2 to 4) in the native wire: each core keeps its own, and replicas stay identical
+    experts = {**BASE, "policy": "static", "max_rank": 2, "wire": "int8"}
+    out = run_workers(moe_workers.train, 4, (4, 1), 2, BASE, 8, False, None, 0, experts)
+    _replicas_identical(out)
+    assert out[0]["expert_ranks"] == [0, 0] + [2] * 6
+    assert 4 in out[0]["ranks"][2:]  # (the dense core starts at its own r_max)
+    same = run_workers(moe_workers.train, 4, (4, 1), 2, BASE, 8)
+    for r, s in zip(out, same, strict=True):
+        assert r["expert_stats"].bytes_sent < s["expert_stats"].bytes_sent  # (rank 2 in int8 against 4 in float32)
+        assert r["stats"].bytes_sent == s["stats"].bytes_sent and r["ranks"] == s["ranks"]
+
+
+def test_expert_settings_without_an_expert_mesh_are_refused():
+    out = run_workers(moe_workers.refuse_expert_config_alone, 2)
+    assert all("expert_config but no expert_mesh" in r for r in out), out
+
+
 def test_ddp_with_split_experts_is_refused_naming_the_route():
     out = run_workers(moe_workers.refuse_ddp, 2)
     assert all("expert_mesh" in r and "FSDP2" in r and r.startswith("ValueError") for r in out), out
@@ -152,6 +172,22 @@ def test_edgc_train_without_ep_compresses_each_expert_as_a_matrix_under_ddp(tmp_
     train = [r for r in records if r["kind"] == "train"]
     assert all("expert_bytes" not in r and r["a2a_bytes"] == 0 for r in train)  # (one core; no all-to-all)
     assert all(r["bytes_sent"] < 0.2 * r["bytes_uncompressed"] for r in train[2:])
+
+
+def test_edgc_train_sends_the_experts_whole_with_settings_of_their_own(tmp_path, data_dir):
+    # the experts' warm-up never ends and they travel in their own dtype: every expert byte
+    # is the uncompressed one, while the dense gradients are compressed after step 2
+    experts = ["--expert-edgc-warmup", "fixed", "--expert-edgc-warmup-steps", "1000000000",
+               "--expert-edgc-wire", "native"]
+    common = ["--method", "edgc", "--ep", "2", "--steps", "6", "--eval-every", "6", "--edgc-warmup", "fixed",
+              "--edgc-warmup-steps", "2", "--edgc-max-rank", "4"]
+    records = _train(data_dir, tmp_path / "run", *common, *experts)
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(r["expert_rank"] == 0 and r["expert_bytes"] == train[0]["expert_bytes"] for r in train)
+    assert all(r["rank"] == 4 and r["dense_bytes"] < train[0]["dense_bytes"] / 2 for r in train[2:])
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["expert_edgc"]["wire"] == "native" and saved["edgc"]["wire"] == "int8"
+    assert saved["expert_edgc"]["max_rank"] == 4  # (not given: the run's)
 
 
 def test_the_int8_all_to_all_sends_a_quarter_of_the_bytes_and_trains_alike(tmp_path, data_dir):

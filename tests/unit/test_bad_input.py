@@ -71,7 +71,8 @@ def _train_parser() -> argparse.ArgumentParser:
 def _field_of(dest: str):
     """(config class, field name) behind a train flag's dest (a section's field of
     EDGCConfig, "noise_exponent", as (NoiseConfig, "exponent"))."""
-    for prefix, cls in (("edgc__", EDGCConfig), ("dac__", DACConfig), ("", TrainConfig)):
+    for prefix, cls in (("edgc__", EDGCConfig), ("dac__", DACConfig), ("expert_edgc__", EDGCConfig),
+                        ("", TrainConfig)):
         if dest.startswith(prefix):
             name = dest[len(prefix):]
             section, _, option = name.partition("_")
@@ -245,9 +246,10 @@ def test_flags_are_parsed_by_their_field_type():
 
 
 def test_only_given_flags_are_options_and_null_is_given_as_none():
-    assert _options() == {"edgc": {}, "dac": {}}
+    assert _options() == {"edgc": {}, "dac": {}, "expert_edgc": {}}
     o = _options("--stop-after", "null", "--corpus-bytes", "None", "--edgc-max-rank", "null", "--dac-eta", "none")
-    assert o == {"stop_after": None, "corpus_bytes": None, "edgc": {"max_rank": None}, "dac": {"eta": None}}
+    assert o == {"stop_after": None, "corpus_bytes": None, "edgc": {"max_rank": None}, "dac": {"eta": None},
+                 "expert_edgc": {}}
 
 
 def test_bool_flags():

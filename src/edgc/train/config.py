@@ -15,7 +15,7 @@ from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
 from edgc.train.config_file import check_folder_path, load_config_file
-from edgc.train.layout_checks import check_expert_layout, check_tp_layout
+from edgc.train.layout_checks import check_expert_layout, check_tp_layout, expert_config
 
 __all__ = ["METHODS", "TrainConfig", "load_config_file", "process_group_backend"]
 
@@ -237,6 +237,13 @@ class TrainConfig:
     averaged over every replica, the experts over the replicas holding the same ones
     (replicas / E), each group compressed by edgc with its own rank (edgc.moe,
     docs/moe.md). E must divide the replicas and the experts."""
+
+    expert_edgc: dict[str, Any] = field(default_factory=dict)
+    """EDGCConfig overrides (any field) for the experts' own compression core, with a
+    preset that has experts and method "powersgd" or "edgc": each field not given is the
+    run's (`edgc`, scaled to the run). E.g. {"min_rank": 16} keeps the experts' rank at 16
+    or more; {"warmup": "fixed", "warmup_steps": 10**9, "wire": "native"} sends them whole
+    every step (docs/moe.md)."""
 
     ep_wire: str = "native"
     """With ep > 1, the format the experts' all-to-all sends the tokens' hidden states and
@@ -510,7 +517,7 @@ class TrainConfig:
 
     def resolve(self) -> TrainConfig:
         """A copy with every None default filled in from the run length."""
-        c = dataclasses.replace(self, edgc=dict(self.edgc), dac=dict(self.dac))
+        c = dataclasses.replace(self, edgc=dict(self.edgc), dac=dict(self.dac), expert_edgc=dict(self.expert_edgc))
         preset = PRESETS[c.preset]
         c.device = c.resolved_device()
         c.nproc = c.workers()
@@ -526,6 +533,8 @@ class TrainConfig:
             c.checkpoint_every = max(1, c.steps // 3)
         c.edgc = dataclasses.asdict(c.edgc_config())
         c.dac = c.dac_config().to_dict()
+        if c.expert_edgc:  # (every field written out, as `edgc`; a run that sets none keeps {}: the run's)
+            c.expert_edgc = dataclasses.asdict(c.expert_edgc_config())
         if c.pp > 1 and c.microbatches is None:
             c.microbatches = 2 * c.pp
         return c
@@ -567,6 +576,11 @@ class TrainConfig:
             most = values["warmup_steps"]
             values["warmup_min_steps"] = min(lr_warmup, most) if isinstance(most, int) and most >= 0 else 0
         return EDGCConfig.from_dict(values)
+
+    def expert_edgc_config(self) -> EDGCConfig:
+        """The EDGCConfig of the experts' core: the run's (`edgc_config`) with the
+        `expert_edgc` overrides; raises ValueError naming the field."""
+        return expert_config(self.edgc_config(), self.expert_edgc)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,13 +1,35 @@
 """The refusals of a tensor-parallel or expert-parallel layout that `edgc train` cannot serve
-(TrainConfig.validate calls them, each refusal in one line through its `bad`)."""
+(TrainConfig.validate calls them, each refusal in one line through its `bad`), and the
+experts' own EDGCConfig (TrainConfig.expert_edgc)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from edgc.config import EDGCConfig, flat_sections
 from edgc.models import PRESETS
 
-__all__ = ["check_expert_layout", "check_tp_layout"]
+__all__ = ["check_expert_layout", "check_tp_layout", "expert_config"]
+
+#: The EDGCConfig fields read by one warm-up mode only: a run's value of one is not the
+#: experts' when their warm-up is another.
+_READ_BY = {"warmup_min_steps": "gradient", "warmup_max_error": "gradient", "warmup_error_norm": "release-check"}
+
+
+def expert_config(run: EDGCConfig, overrides: dict[str, Any]) -> EDGCConfig:
+    """The experts' EDGCConfig: the run's `run` with `overrides` (EDGCConfig fields, flat
+    or in sections). A field the experts' warm-up does not read is not taken from the run,
+    and the run's warmup_min_steps is capped at the experts' warmup_steps (as
+    TrainConfig.edgc_config caps the run's). Raises ValueError naming the field."""
+    base, given = run.to_flat(), flat_sections(overrides)
+    warmup = given.get("warmup", base["warmup"])
+    for name, mode in _READ_BY.items():
+        if warmup != mode and name not in given:
+            base[name] = EDGCConfig.__dataclass_fields__[name].default
+    most = given.get("warmup_steps")
+    if "warmup_min_steps" not in given and isinstance(most, int) and most >= 0:
+        base["warmup_min_steps"] = min(base["warmup_min_steps"], most)
+    return EDGCConfig.from_dict({**base, **given})
 
 
 def check_expert_layout(cfg: Any, bad: Any) -> None:
@@ -28,6 +50,18 @@ def check_expert_layout(cfg: Any, bad: Any) -> None:
         bad("ep_wire", "sets the experts' all-to-all: it needs ep > 1")
     if cfg.ep > 1 and cfg.method not in ("none", "powersgd", "edgc"):
         bad("method", f"{cfg.method} is not supported with --ep: use none (native HSDP), powersgd or edgc")
+    if cfg.expert_edgc:
+        try:
+            cfg.expert_edgc_config()
+        except ValueError as exc:
+            raise ValueError(f"expert_edgc: {exc}") from None
+        given = ", ".join(f"{k}={v!r}" for k, v in flat_sections(cfg.expert_edgc).items())
+        if not experts:
+            raise ValueError(f"expert_edgc ({given}) sets the experts' compression: the {cfg.preset} preset has "
+                             "none (use tiny-moe or small-moe)")
+        if cfg.method not in ("powersgd", "edgc"):
+            raise ValueError(f"expert_edgc ({given}) sets the experts' compression: method {cfg.method!r} "
+                             "compresses nothing (use powersgd or edgc)")
 
 
 def check_tp_layout(cfg: Any, bad: Any) -> None:

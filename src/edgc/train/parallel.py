@@ -145,7 +145,8 @@ def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) 
         fully_shard(block, mesh=target)
     fully_shard(model, mesh=target)
     state = count_native_hsdp(model, mesh, expert_mesh=sparse) if native else register_edgc(
-        model, mesh, EDGCConfig(**cfg.edgc), expert_mesh=sparse)
+        model, mesh, EDGCConfig(**cfg.edgc), expert_mesh=sparse,
+        expert_config=EDGCConfig(**cfg.expert_edgc) if cfg.expert_edgc else None)
     names = expert_parameter_names(model) if dispatch is not None else []
     ep_group = sparse["ep"].get_group() if sparse is not None and cfg.ep > 1 else None
 

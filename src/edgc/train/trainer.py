@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from edgc.comm.replicas import blobs_as_tensors, gather_replicas
-from edgc.config import SECTIONS, EDGCConfig, upgrade_config_v1, with_added_fields
+from edgc.config import EDGCConfig, flat_sections, upgrade_config_v1, with_added_fields
 from edgc.data import BatchStream, TokenFile, prepare_builtin, write_meta
 from edgc.models import build_model
 from edgc.train.checkpoint import (
@@ -135,16 +135,6 @@ RESUME_MAY_CHANGE = ("steps", "stop_after", "eval_every", "eval_tokens", "checkp
                      "edgc.max_units")
 
 
-def _flat_sections(values: dict[str, Any]) -> dict[str, Any]:
-    """EDGCConfig options with each section's table ({"noise": {"exponent": 0.2}}) as flat
-    keys ("noise_exponent"), as the command line names them."""
-    out = {k: v for k, v in values.items() if not (k in SECTIONS and isinstance(v, dict))}
-    for name in SECTIONS:
-        if isinstance(values.get(name), dict):
-            out.update({f"{name}_{k}": v for k, v in values[name].items()})
-    return out
-
-
 def resume_target(path: str | Path) -> Path:
     """The checkpoint file to resume: `path` itself when it is a file or has a suffix, else a
     run folder's checkpoint.pt."""
@@ -165,12 +155,14 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     saved = dict(load_checkpoint(checkpoint, trust=given.get("trust_checkpoint") is True)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     saved["trust_checkpoint"] = False  # (never kept: each resume that trusts its file says so)
-    values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {}))}
+    values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {})),
+              "expert_edgc": dict(saved.get("expert_edgc", {}))}
     if values["edgc"]:  # (compared flat, as the command line gives them; a run of edgc 0.1 upgraded)
         edgc = with_added_fields(values["edgc"]) if "warmup" in values["edgc"] else upgrade_config_v1(values["edgc"])
         values["edgc"] = EDGCConfig.from_dict(edgc).to_flat()
-    if "edgc" in given:
-        given = {**given, "edgc": _flat_sections(given["edgc"])}
+    if values["expert_edgc"]:  # (written out whole, as `edgc`, since experts have their own)
+        values["expert_edgc"] = EDGCConfig.from_dict(with_added_fields(values["expert_edgc"])).to_flat()
+    given = {**given, **{k: flat_sections(given[k]) for k in ("edgc", "expert_edgc") if k in given}}
     refused: list[str] = []
     changed: list[str] = []
 
@@ -185,7 +177,7 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
             table[field] = value
 
     for key, value in given.items():
-        if key in ("edgc", "dac"):
+        if key in ("edgc", "dac", "expert_edgc"):
             for k, v in value.items():
                 compare(f"{key}.{k}", values[key], k, v)
         elif key == "out":
