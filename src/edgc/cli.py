@@ -138,7 +138,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     group = p.add_argument_group("DACConfig fields, as --dac-FIELD, with --pp > 1 (edgc.policy.dac)")
     _add_fields(group, DACConfig, "dac-", "dac__")
     group = p.add_argument_group("the experts' own compression, as --expert-edgc-FIELD, with tiny-moe or small-moe "
-                                 "(any EDGCConfig field in a config file's [expert_edgc] table; docs/moe.md)")
+                                 "under FSDP2 (--ep > 1, --dp-shard or --dp-replicate; any EDGCConfig field in a "
+                                 "config file's [expert_edgc] table; docs/moe.md)")
     _add_fields(group, EDGCConfig, "expert-edgc-", "expert_edgc__", EXPERT_FLAGS, same_as="edgc-")
 
 

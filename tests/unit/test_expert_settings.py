@@ -38,6 +38,8 @@ def test_a_warmup_of_their_own_drops_the_runs_settings_of_another_mode():
     (dict(preset="tiny", expert_edgc={"min_rank": 8}), r"^expert_edgc \(min_rank=8\) sets .*the tiny preset has none"),
     (dict(**MOE, method="none", expert_edgc={"min_rank": 8}),
      r"^expert_edgc \(min_rank=8\) sets .*method 'none' compresses nothing"),
+    (dict(preset="tiny-moe", expert_edgc={"min_rank": 8}), r"^expert_edgc \(min_rank=8\) sets the experts' own "
+                                                            r"core, which an FSDP2 run has .*under DDP"),
     (dict(**MOE, expert_edgc={"min_rank": 64}), r"^expert_edgc: EDGCConfig.min_rank=64"),
     (dict(**MOE, expert_edgc={"ranks": 4}), r"^expert_edgc: EDGCConfig has no field\(s\).*ranks"),
 ])

@@ -239,11 +239,11 @@ class TrainConfig:
     docs/moe.md). E must divide the replicas and the experts."""
 
     expert_edgc: dict[str, Any] = field(default_factory=dict)
-    """EDGCConfig overrides (any field) for the experts' own compression core, with a
-    preset that has experts and method "powersgd" or "edgc": each field not given is the
-    run's (`edgc`, scaled to the run). E.g. {"min_rank": 16} keeps the experts' rank at 16
-    or more; {"warmup": "fixed", "warmup_steps": 10**9, "wire": "native"} sends them whole
-    every step (docs/moe.md)."""
+    """EDGCConfig overrides (any field) for the experts' own compression core: a preset
+    with experts in an FSDP2 run (ep > 1, or dp_shard / dp_replicate), method "powersgd"
+    or "edgc". Each field not given is the run's (`edgc`, scaled to the run). E.g.
+    {"min_rank": 16} keeps the experts' rank at 16 or more; {"warmup": "fixed",
+    "warmup_steps": 10**9, "wire": "native"} sends them whole every step (docs/moe.md)."""
 
     ep_wire: str = "native"
     """With ep > 1, the format the experts' all-to-all sends the tokens' hidden states and

@@ -62,6 +62,9 @@ def check_expert_layout(cfg: Any, bad: Any) -> None:
         if cfg.method not in ("powersgd", "edgc"):
             raise ValueError(f"expert_edgc ({given}) sets the experts' compression: method {cfg.method!r} "
                              "compresses nothing (use powersgd or edgc)")
+        if not cfg.hsdp:
+            raise ValueError(f"expert_edgc ({given}) sets the experts' own core, which an FSDP2 run has (--ep > 1, "
+                             "or --dp-shard / --dp-replicate): under DDP the experts share the model's")
 
 
 def check_tp_layout(cfg: Any, bad: Any) -> None:
