@@ -18,7 +18,7 @@ from typing import NoReturn
 from edgc import __version__
 from edgc.config import EDGCConfig
 from edgc.extras import missing_extra
-from edgc.fields import FieldType, field_docs, field_types
+from edgc.fields import FieldType, field_docs, field_types, table_fields
 from edgc.policy.registry import policy_names
 
 # Each command's line in `edgc --help` (`edgc simulate`'s parser, in edgc.bench.simulate,
@@ -259,25 +259,18 @@ def _given_options(args: argparse.Namespace) -> dict:
     A flag given as null is there as None (it unsets the option, or a resumed run's value)."""
     from edgc.train.config import TrainConfig, load_config_file
 
-    values: dict = load_config_file(args.config, tables=("edgc", "dac", "expert_edgc")) if args.config else {}
-    edgc_values = dict(values.pop("edgc", {}))
-    dac_values = dict(values.pop("dac", {}))
-    expert_values = dict(values.pop("expert_edgc", {}))
+    values: dict = load_config_file(args.config, tables=table_fields(TrainConfig)) if args.config else {}
+    tables = {name: dict(values.pop(name, {})) for name in table_fields(TrainConfig)}
     fields = set(field_types(TrainConfig))
-    # (a field's flag is in `args` only when given; the rest of `args` is not an option: --resume, -v)
+    # (a field's flag is in `args` only when given; the rest of `args` is not an option: --resume,
+    # -v; a table's flags have dests "<table>__<field>")
     for key, value in vars(args).items():
-        if key.startswith("edgc__"):
-            edgc_values[key[len("edgc__"):]] = value
-        elif key.startswith("dac__"):
-            dac_values[key[len("dac__"):]] = value
-        elif key.startswith("expert_edgc__"):
-            expert_values[key[len("expert_edgc__"):]] = value
+        table, joined, name = key.partition("__")
+        if joined and table in tables:
+            tables[table][name] = value
         elif key in fields:
             values[key] = value
-    values["edgc"] = edgc_values
-    values["dac"] = dac_values
-    values["expert_edgc"] = expert_values
-    return values
+    return {**values, **tables}
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FieldType", "check_field_types", "field_docs", "field_types", "reject_unknown_fields"]
+__all__ = ["FieldType", "check_field_types", "field_docs", "field_types", "reject_unknown_fields", "table_fields"]
 
 
 def reject_unknown_fields(cls: type, values: dict[str, Any], message: str) -> None:
@@ -147,6 +147,12 @@ def field_types(cls: type) -> dict[str, FieldType]:
             raise TypeError(f"{cls.__name__}.{f.name}: no rule for a field of type {hints[f.name]}")
         out[f.name] = FieldType(kind, optional)
     return out
+
+
+def table_fields(cls: type) -> tuple[str, ...]:
+    """The fields of the config dataclass `cls` that are tables of another config's options
+    (its dict fields: TrainConfig's "edgc", "expert_edgc" and "dac"), in order."""
+    return tuple(name for name, ftype in field_types(cls).items() if ftype.kind is dict)
 
 
 def check_field_types(config: Any, bad: Callable[[str, str], Any]) -> None:

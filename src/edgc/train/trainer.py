@@ -30,6 +30,7 @@ import torch.distributed as dist
 from edgc.comm.replicas import blobs_as_tensors, gather_replicas
 from edgc.config import EDGCConfig, flat_sections, upgrade_config_v1, with_added_fields
 from edgc.data import BatchStream, TokenFile, prepare_builtin, write_meta
+from edgc.fields import table_fields
 from edgc.models import build_model
 from edgc.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -155,8 +156,8 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     saved = dict(load_checkpoint(checkpoint, trust=given.get("trust_checkpoint") is True)["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     saved["trust_checkpoint"] = False  # (never kept: each resume that trusts its file says so)
-    values = {**saved, "edgc": dict(saved.get("edgc", {})), "dac": dict(saved.get("dac", {})),
-              "expert_edgc": dict(saved.get("expert_edgc", {}))}
+    tables = table_fields(TrainConfig)
+    values = {**saved, **{name: dict(saved.get(name, {})) for name in tables}}
     if values["edgc"]:  # (compared flat, as the command line gives them; a run of edgc 0.1 upgraded)
         edgc = with_added_fields(values["edgc"]) if "warmup" in values["edgc"] else upgrade_config_v1(values["edgc"])
         values["edgc"] = EDGCConfig.from_dict(edgc).to_flat()
@@ -177,7 +178,7 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
             table[field] = value
 
     for key, value in given.items():
-        if key in ("edgc", "dac", "expert_edgc"):
+        if key in tables:
             for k, v in value.items():
                 compare(f"{key}.{k}", values[key], k, v)
         elif key == "out":
