@@ -360,6 +360,9 @@ def test_bench_pareto_over_seeds_pairs_the_blocks(tmp_path, data_dir):
     assert "seeds 1337..1338" in text and "final val loss, mean of 2 seeds ± their SD" in text
     assert "## Paired differences" in text and "| edgc-noise | " in text.split("## Paired differences")[1]
     assert "(seeds ± " in text.split("## Paired differences")[1]
+    along = text.split("## Along the run")[1].split("![loss vs bytes]")[0]
+    row = next(line for line in along.splitlines() if line.startswith("| 4 | "))
+    assert "combined" not in row  # (the margin paired: every evaluation's blocks kept)
     points = json.loads((out / "pareto.json").read_text())
     assert sorted((p["name"], p["seed"]) for p in points) == sorted(
         (n, s) for n in ("powersgd-r1", "powersgd-r2", "edgc-noise") for s in (1337, 1338))

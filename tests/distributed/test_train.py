@@ -9,6 +9,7 @@ import torch
 from edgc.cli import main
 from edgc.data import prepare_builtin, write_meta
 from edgc.train.checkpoint import CHECKPOINT_NAME
+from edgc.train.evaluation import block_losses_by_step
 from edgc.train.metrics import read_metrics
 
 TRAIN_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time", "comm_time", "bytes_sent",
@@ -37,6 +38,12 @@ def test_train_each_method_writes_every_output(tmp_path, data_dir, method):
     assert [r["step"] for r in val] == [4, 8] and math.isfinite(val[-1]["val_loss"])
     # the same 8 blocks of 32 tokens (--eval-tokens 256) at each evaluation, with a standard error
     assert all(r["val_tokens"] == 256 and 0 < r["val_loss_se"] < r["val_loss"] for r in val)
+    # every evaluation's 8 block losses are kept, and their mean is the loss logged
+    blocks = block_losses_by_step(out)
+    assert sorted(blocks) == [4, 8]
+    for r in val:
+        assert blocks[r["step"]].losses.shape == (8,)
+        assert math.isclose(blocks[r["step"]].losses.mean(), r["val_loss"], rel_tol=1e-9)
     summary = (out / "summary.md").read_text()
     assert f"{val[-1]['val_loss']:.4f} ± {val[-1]['val_loss_se']:.4f}" in summary
     assert "standard error" in summary and "8 blocks of 32 tokens" in summary
@@ -66,6 +73,10 @@ def test_resume_continues_exactly(tmp_path, data_dir):
     b = [(r["step"], r.get("loss"), r.get("val_loss"), r.get("rank")) for r in read_metrics(part / "metrics.jsonl")]
     assert a == b
     assert len({r[3] for r in a if r[3]}) >= 2, "the rank should move during this run"
+    blocks_a, blocks_b = block_losses_by_step(straight), block_losses_by_step(part)
+    assert sorted(blocks_a) == sorted(blocks_b) == [4, 8, 12, 16]
+    for step, kept in blocks_a.items():
+        assert (kept.losses == blocks_b[step].losses).all(), step
     ca = torch.load(straight / CHECKPOINT_NAME, weights_only=False)
     cb = torch.load(part / CHECKPOINT_NAME, weights_only=False)
     for k, v in ca["model"].items():

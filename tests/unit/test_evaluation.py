@@ -20,6 +20,7 @@ from edgc.train.evaluation import (
     BlockLosses,
     LossMoments,
     block_losses,
+    block_losses_by_step,
     eval_batches,
     eval_starts,
     load_block_losses,
@@ -305,3 +306,39 @@ def test_a_summary_of_one_replica_says_no_bytes_crossed_a_link(tmp_path, layout,
     assert ("Bytes: none cross a link, with one replica." in text) == one_replica
     assert ("MB for uncompressed all-reduce" in text) != one_replica
     assert ("1 worker," in text) == (layout["world_size"] == 1)
+
+
+def test_every_evaluation_s_block_losses_are_kept_and_a_resumed_run_drops_what_it_evaluates_again(tmp_path):
+    starts = np.arange(0, 400, 40, dtype=np.int64)
+    rows = {step: np.random.default_rng(step).normal(4.0, 0.5, size=10) for step in (100, 200, 300)}
+    for step, losses in rows.items():
+        save_block_losses(tmp_path, step, starts, losses)
+    kept = block_losses_by_step(tmp_path)
+    assert sorted(kept) == [100, 200, 300]
+    for step, losses in rows.items():
+        np.testing.assert_array_equal(kept[step].losses, losses)  # (bit for bit)
+        assert load_block_losses(tmp_path, step).step == step
+    assert load_block_losses(tmp_path).step == 300  # (no step: the last evaluation's)
+    # resumed from a checkpoint at step 100: its evaluation at 200 replaces the earlier attempt's 200 and 300
+    again = rows[200] + 1.0
+    save_block_losses(tmp_path, 200, starts, again)
+    kept = block_losses_by_step(tmp_path)
+    assert sorted(kept) == [100, 200]
+    np.testing.assert_array_equal(kept[200].losses, again)
+    np.testing.assert_array_equal(kept[100].losses, rows[100])
+    # evaluated on other blocks (another eval_tokens): the rows of the old ones would not pair with it
+    save_block_losses(tmp_path, 400, starts * 2, rows[300])
+    assert sorted(block_losses_by_step(tmp_path)) == [400]
+
+
+def test_a_block_loss_file_of_the_first_format_still_loads(tmp_path):
+    starts, losses = np.arange(4, dtype=np.int64) * 8, np.array([4.0, 4.5, 3.5, 4.25])
+    np.savez(tmp_path / "val_blocks.npz", step=np.int64(500), starts=starts, losses=losses)
+    assert sorted(block_losses_by_step(tmp_path)) == [500]
+    np.testing.assert_array_equal(load_block_losses(tmp_path, 500).losses, losses)
+    assert load_block_losses(tmp_path, 400) is None
+    save_block_losses(tmp_path, 600, starts, losses + 1)  # (a run resumed with this release adds its rows)
+    assert sorted(block_losses_by_step(tmp_path)) == [500, 600]
+    np.savez(tmp_path / "val_blocks.npz", steps=np.array([1, 2]), starts=starts, losses=np.ones((3, 4)))
+    with pytest.raises(ValueError, match="not an edgc block-loss file"):
+        block_losses_by_step(tmp_path)  # (two steps, three rows)

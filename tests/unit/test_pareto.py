@@ -174,13 +174,35 @@ def test_along_the_run_each_evaluation_is_judged_against_the_statics_at_that_ste
     assert "3.8500, 1.500x, outside the frontier" in rows["10"]
     # step 20: 35 MB between r8's 20 MB (3.5) and r16's 40 MB (3.4), in log bytes: 3.5 - 0.1 * log(1.75) / log(2)
     below = 3.5 - 0.1 * math.log(1.75) / math.log(2) - 3.40
-    assert f"3.4000, 0.875x, {below:+.4f} ({math.hypot(0.01, 0.01):.4f})" in rows["20"]
+    assert f"3.4000, 0.875x, {below:+.4f} ({math.hypot(0.01, 0.01):.4f} combined)" in rows["20"]
     # nothing to draw without a dynamic run, or with one static run
     assert along_markdown({k: along[k] for k in ("r8", "r16")}, "r16") == ""
     assert along_markdown({k: along[k] for k in ("r16", "dyn")}, "r16") == ""
     # the report carries the table before its plots
     report = pareto_markdown([_p("r16", 3.4, 40), _p("dyn", 3.4, 35, kind="dynamic")], 3.4, "r16", "setup.", text)
     assert report.index("## Along the run") < report.index("![loss vs bytes]")
+
+
+def test_along_the_run_the_margin_is_paired_where_the_runs_kept_each_evaluation_s_blocks(tmp_path):
+    from edgc.bench.pareto import along_markdown, points_along
+    from edgc.train.evaluation import save_block_losses
+
+    losses = {"r8": {10: 4.0, 20: 3.5}, "r16": {10: 3.9, 20: 3.4}, "dyn": {10: 3.95, 20: 3.40}}
+    for name, mb in (("r8", 1.0), ("r16", 2.0), ("dyn", 1.75)):
+        _run_folder(tmp_path / name, "edgc" if name == "dyn" else "powersgd", losses[name], lambda s, mb=mb: mb)
+        for step, loss in losses[name].items():  # (each block: the loss, plus the blocks' shared hardness)
+            if name != "dyn" or step == 20:  # (dyn kept step 20's blocks only)
+                save_block_losses(tmp_path / name, step, BLOCK_STARTS, loss + HARDNESS - HARDNESS.mean())
+    along = {name: points_along(name, "static" if name != "dyn" else "dynamic", 8, tmp_path / name)
+             for name in ("r8", "r16", "dyn")}
+    assert along["dyn"][10].blocks is None and along["dyn"][20].blocks.step == 20
+    rows = {line.split(" | ")[0].strip("| "): line for line in along_markdown(along, "r16").splitlines()
+            if line.startswith(("| 1", "| 2"))}
+    # at step 20 the gap moves with no block's noise: paired SE 0; at step 10 dyn kept no blocks
+    below = 3.5 - 0.1 * math.log(1.75) / math.log(2) - 3.40
+    assert f"{below:+.4f} (0.0000)" in rows["20"]
+    gap10 = 4.0 - 0.1 * math.log(1.75) / math.log(2) - 3.95
+    assert f"{gap10:+.4f} ({math.hypot(0.01, 0.01):.4f} combined)" in rows["10"]
 
 
 def test_a_static_rank_another_beats_is_not_part_of_the_frontier():

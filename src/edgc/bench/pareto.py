@@ -73,7 +73,7 @@ from edgc.bench.train import time_to_target, train_on_cluster
 from edgc.models import PRESETS
 from edgc.policy.registry import policy_names
 from edgc.train.config import TrainConfig
-from edgc.train.evaluation import load_block_losses
+from edgc.train.evaluation import block_losses_by_step, load_block_losses
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
 
@@ -187,7 +187,7 @@ def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float 
         time_to_target=time_to_target(records, target) if target is not None else math.inf,
         wire=_wire(config, kind),
         seed=int(config.get("seed", TrainConfig.seed)),
-        # (only the last evaluation's blocks are kept: they pair with the final loss)
+        # (its last evaluation's blocks: they pair with the final loss)
         blocks=load_block_losses(run_dir, last["step"]) if last else None,
     )
 
@@ -202,6 +202,7 @@ def points_along(name: str, kind: str, rank: int | None, run_dir: Path) -> dict[
     """The run's point at each of its evaluations: {step: the validation loss then, with the
     bytes sent and the step time summed up to that step}."""
     config, records = load_run(run_dir)
+    blocks = block_losses_by_step(run_dir)
     sent: dict[int, tuple[float, float]] = {}
     total = seconds = 0.0
     for r in records:
@@ -211,14 +212,17 @@ def points_along(name: str, kind: str, rank: int | None, run_dir: Path) -> dict[
             sent[r["step"]] = (total, seconds)
     return {r["step"]: ParetoPoint(name=name, kind=kind, rank=rank, val_loss=float(r["val_loss"]),
                                    val_se=float(r.get("val_loss_se") or 0.0), bytes=sent[r["step"]][0],
-                                   seconds=sent[r["step"]][1], time_to_target=math.inf, wire=_wire(config, kind))
+                                   seconds=sent[r["step"]][1], time_to_target=math.inf, wire=_wire(config, kind),
+                                   blocks=blocks.get(r["step"]))
             for r in records if r.get("kind") == "val" and r.get("val_loss") is not None and r["step"] in sent}
 
 
 def along_markdown(along: dict[str, dict[int, ParetoPoint]], target_name: str) -> str:
     """A table of every dynamic run against the static frontier at each evaluation the runs
-    share: the frontier drawn from the static runs' losses then and their bytes up to then.
-    Empty without a dynamic run or with fewer than two static ones."""
+    share: the frontier drawn from the static runs' losses then and their bytes up to then,
+    the margin the gap's paired SE where the three runs kept that evaluation's block losses
+    (else the two losses' combined SE, marked). Empty without a dynamic run or with fewer
+    than two static ones."""
     statics = [name for name, pts in along.items() if pts and next(iter(pts.values())).kind == "static"]
     dynamics = [name for name, pts in along.items() if pts and next(iter(pts.values())).kind == "dynamic"]
     if not dynamics or len(statics) < 2 or target_name not in statics:
@@ -232,14 +236,18 @@ def along_markdown(along: dict[str, dict[int, ParetoPoint]], target_name: str) -
         cells = []
         for name in dynamics:
             p = along[name][step]
-            gap = frontier_gap(p, [along[s][step] for s in statics])
+            then = [along[s][step] for s in statics]
+            paired = paired_gap(p, then)
+            gap = paired or frontier_gap(p, then)
             cells.append(f"{p.val_loss:.4f}, {p.bytes / ref.bytes:.3f}x, "
-                         + ("outside the frontier" if gap is None else f"{gap[0]:+.4f} ({gap[1]:.4f})"))
+                         + ("outside the frontier" if gap is None
+                            else f"{gap[0]:+.4f} ({gap[1]:.4f}{'' if paired else ' combined'})"))
         lines.append(f"| {step} | {ref.val_loss:.4f} | " + " | ".join(cells) + " |")
     return ("## Along the run\n\nAt each evaluation, each dynamic run against the static frontier of that step (the "
             "static runs' losses then, against the bytes they had sent by then): whether a verdict holds through the "
-            "run or only at its end. The first seed's runs; the margin is the two losses' combined SE, as a run "
-            "keeps the block losses of its last evaluation only.\n\n" + "\n".join(lines) + "\n\n")
+            "run or only at its end. The first seed's runs; the margin is the gap's paired SE over the validation "
+            "blocks, or the two losses' combined SE (marked \"combined\") where a run kept no block losses of that "
+            "evaluation (runs from before every evaluation's were kept).\n\n" + "\n".join(lines) + "\n\n")
 
 
 def _finished(run_dir: Path, args_list: list[str], steps: int) -> bool:

@@ -22,8 +22,11 @@ Both trainers (data-parallel and pipeline) evaluate the same way:
    block, summed over all ranks into their places), so that two runs on the same blocks
    can be compared block by block: the SE of a paired difference (`paired_difference`)
    is that of the per-block differences, far smaller than the two losses' combined SE
-   when the runs' errors move together, as they do on the same blocks. The trainers write
-   the last evaluation's to `val_blocks.npz` in the run folder (`write_evaluation`).
+   when the runs' errors move together, as they do on the same blocks. The trainers keep
+   every evaluation's in `val_blocks.npz` in the run folder (`write_evaluation`): the
+   blocks' starts once, and one row of losses per evaluated step. A resumed run's first
+   evaluation drops the rows of steps it evaluates again, as metrics.jsonl drops the
+   records past its checkpoint.
 
 Before this, evaluation used 8 random batches (8,192 tokens), and the same checkpoint's
 loss moved from 3.543 to 3.614 +- 0.076 over 64 random batches (issue 10).
@@ -46,11 +49,11 @@ from edgc.atomic import atomic_write
 from edgc.data import TokenFile
 from edgc.train.metrics import MetricsWriter, perplexity
 
-__all__ = ["BLOCKS_FILE", "BlockLosses", "EvalBatch", "EvalResult", "LossMoments", "block_losses", "eval_batches",
-           "eval_starts", "load_block_losses", "paired_difference", "save_block_losses", "val_record",
-           "write_evaluation"]
+__all__ = ["BLOCKS_FILE", "BlockLosses", "EvalBatch", "EvalResult", "LossMoments", "block_losses",
+           "block_losses_by_step", "eval_batches", "eval_starts", "load_block_losses", "paired_difference",
+           "save_block_losses", "val_record", "write_evaluation"]
 
-#: The run folder's file of the last evaluation's block losses (numpy .npz, no pickles).
+#: The run folder's file of every evaluation's block losses (numpy .npz, no pickles).
 BLOCKS_FILE = "val_blocks.npz"
 
 
@@ -203,35 +206,56 @@ class BlockLosses:
 
 
 def save_block_losses(folder: str | Path, step: int, starts: np.ndarray, losses: np.ndarray) -> Path:
-    """Writes `val_blocks.npz` into the run folder `folder` (atomically) and returns its
-    path. Raises ValueError if starts and losses differ in length."""
+    """Adds one evaluation's block losses to `val_blocks.npz` in the run folder `folder`
+    (rewritten atomically) and returns its path. The rows already there for `step` or a
+    later step are dropped (a resumed run evaluating again what an earlier attempt
+    evaluated past its checkpoint), and so are all of them when they are of other blocks.
+    Raises ValueError if starts and losses differ in length, or naming a file there that
+    edgc did not write."""
     starts, losses = np.asarray(starts, dtype=np.int64), np.asarray(losses, dtype=np.float64)
     if starts.shape != losses.shape or starts.ndim != 1:
         raise ValueError(f"block starts {starts.shape} and losses {losses.shape} must be 1-D and of one length")
+    kept = [b for b in block_losses_by_step(folder).values() if b.step < step and np.array_equal(b.starts, starts)]
+    steps = np.array([b.step for b in kept] + [step], dtype=np.int64)
+    rows = np.stack([b.losses for b in kept] + [losses])  # (evaluations, blocks)
     path = Path(folder) / BLOCKS_FILE
     with atomic_write(path) as f:
-        np.savez(f, step=np.int64(step), starts=starts, losses=losses)
+        np.savez(f, steps=steps, starts=starts, losses=rows)
     return path
 
 
-def load_block_losses(folder: str | Path, step: int | None = None) -> BlockLosses | None:
-    """The run folder's last evaluation's block losses, or None if it has no
-    `val_blocks.npz` (a run from before they were kept) or, with `step`, if they are of
-    another step's evaluation (they pair only with the loss of the one they were taken at).
-    Loads arrays only (no pickles); raises ValueError naming the file if it is not one edgc
-    wrote."""
+def block_losses_by_step(folder: str | Path) -> dict[int, BlockLosses]:
+    """Every evaluation's block losses the run folder kept, by step ({} without
+    `val_blocks.npz`: a run from before they were kept). A file of the first format, which
+    held the last evaluation's only (`step`, 1-D `losses`), gives that one. Loads arrays
+    only (no pickles); raises ValueError naming the file if it is not one edgc wrote."""
     path = Path(folder) / BLOCKS_FILE
     if not path.is_file():
-        return None
+        return {}
     try:
         with np.load(path, allow_pickle=False) as npz:
-            saved, starts, losses = int(npz["step"]), npz["starts"], npz["losses"]
+            starts, losses = npz["starts"], npz["losses"]
+            steps = npz["steps"] if "steps" in npz.files else np.array([npz["step"]]).reshape(1)
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"{str(path)!r} is not an edgc block-loss file ({exc})") from None
-    if starts.ndim != 1 or starts.shape != losses.shape or starts.dtype != np.int64 or losses.dtype != np.float64:
-        raise ValueError(f"{str(path)!r} is not an edgc block-loss file (starts {starts.dtype}{starts.shape}, "
-                         f"losses {losses.dtype}{losses.shape})")
-    return BlockLosses(step=saved, starts=starts, losses=losses) if step in (None, saved) else None
+    if losses.ndim == 1:  # (the first format: one evaluation)
+        losses = losses[None, :]
+    if (starts.ndim != 1 or steps.ndim != 1 or losses.shape != (len(steps), len(starts))
+            or starts.dtype != np.int64 or steps.dtype != np.int64 or losses.dtype != np.float64):
+        raise ValueError(f"{str(path)!r} is not an edgc block-loss file (steps {steps.dtype}{steps.shape}, "
+                         f"starts {starts.dtype}{starts.shape}, losses {losses.dtype}{losses.shape})")
+    return {int(t): BlockLosses(step=int(t), starts=starts, losses=row) for t, row in zip(steps, losses, strict=True)}
+
+
+def load_block_losses(folder: str | Path, step: int | None = None) -> BlockLosses | None:
+    """The run folder's block losses of the evaluation at `step` (None: its last
+    evaluation's), or None if it kept none of that step (a run from before they were kept,
+    or an evaluation whose blocks were not kept: they pair only with the loss of the one
+    they were taken at). Raises ValueError as `block_losses_by_step`."""
+    kept = block_losses_by_step(folder)
+    if not kept:
+        return None
+    return kept[max(kept)] if step is None else kept.get(step)
 
 
 def paired_difference(a: BlockLosses, b: BlockLosses) -> tuple[float, float]:
@@ -255,10 +279,9 @@ def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:
     }
 
 
-def write_evaluation(writer: MetricsWriter, step: int, result: EvalResult, *, last: bool, folder: str | Path) -> None:
-    """Logs one evaluation's metrics line (`val_record`) and, at the run's `last` step,
-    keeps each block's loss in the run `folder` (`save_block_losses`). Rank 0's, which
-    holds the writer."""
+def write_evaluation(writer: MetricsWriter, step: int, result: EvalResult, *, folder: str | Path) -> None:
+    """Logs one evaluation's metrics line (`val_record`) and keeps each block's loss in
+    the run `folder` (`save_block_losses`). Rank 0's, which holds the writer."""
     writer.write(val_record(step, result))
-    if last and result.losses is not None and result.starts is not None:
+    if result.losses is not None and result.starts is not None:
         save_block_losses(folder, step, result.starts, result.losses)

@@ -518,7 +518,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             if writer is not None:
                 writer.write(record)
                 if val is not None:
-                    write_evaluation(writer, step, val, last=step == cfg.steps, folder=cfg.out)
+                    write_evaluation(writer, step, val, folder=cfg.out)
             display.update(step, record, stats, val.loss if val is not None else None)
             guard.observe(step, record["loss"], record["grad_norm"])
             if step % cfg.checkpoint_every == 0 or step == last:
