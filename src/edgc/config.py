@@ -200,7 +200,8 @@ class EDGCConfig:
     """For sync_mode "pipelined": the least bytes, in MB (1e6 bytes), that one unit of the
     sync puts on the wire in a step. Consecutive DDP buckets are merged into one unit until
     it reaches this (edgc.comm.step, "Coarse units"): fewer, larger collectives against
-    less overlap. 0 (the default): every bucket is a unit. Changes the average only through
+    less overlap. 0 (the default): no least size (max_units still merges buckets; both 0
+    make every bucket a unit). Changes the average only through
     the float order of the sums, so a resumed run may change it. A finite number >= 0;
     "whole-step" ignores it."""
 

@@ -184,3 +184,18 @@ def test_every_relative_link_resolves():
            for line, target in links_in((ROOT / page).read_text(encoding="utf-8"))
            if (why := broken(page, target)) is not None]
     assert not bad, f"{len(bad)} broken link(s):\n" + "\n".join(bad)
+
+
+def test_every_results_page_is_in_benchmarks_index():
+    """Each page written into a results folder (benchmarks/results/FOLDER/PAGE.md) is listed in
+    BENCHMARKS.md's "All result pages" table, so that a page is found from the index; raw
+    `edgc bench` outputs saved beside them (bench-*.md) need only a link from a listed page."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    table = text[text.index("## All result pages"):]
+    listed = {ROOT / unquote(t) for t in re.findall(r"\]\((benchmarks/results/[^)#\s]+\.md)\)", table)}
+    linked = {(page.parent / unquote(t)).resolve() for page in listed if page.is_file()
+              for t in re.findall(r"\]\(([^)#\s:]+\.md)(?:#[^)]*)?\)", page.read_text())}
+    pages = [ROOT / f for f in _git_files("benchmarks/results/*.md") if f.count("/") == 3]
+    missing = [str(p.relative_to(ROOT)) for p in pages
+               if p not in listed and not (p.name.startswith("bench-") and p.resolve() in linked)]
+    assert not missing, f"results pages missing from BENCHMARKS.md's \"All result pages\" table: {missing}"

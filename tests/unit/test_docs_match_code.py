@@ -51,6 +51,23 @@ def test_config_doc_gives_every_edgc_config_field_with_its_default_and_choices()
     assert set(re.findall(r"`([a-z]+)`", policies)) >= set(policy_names()[:6])  # (the built-in ones)
 
 
+def test_pipelines_doc_names_every_dac_config_field_with_its_default():
+    """docs/pipelines.md's DACConfig table: every field in a row (several may share one,
+    "`eta`, `intercept`, ..."), each row's default the code's unless it says "measured"."""
+    from edgc.policy.dac import DACConfig
+
+    text = (ROOT / "docs" / "pipelines.md").read_text()
+    table = text[text.index("## DACConfig"):]
+    rows = re.findall(r"^\| ((?:`[a-z_]+`(?:, )?)+) \| (.*?) \| .* \|$", table, re.M)
+    names = [n for cell, _ in rows for n in re.findall(r"`([a-z_]+)`", cell)]
+    assert len(names) == len(set(names)), f"a field in two rows: {names}"
+    assert set(names) == {f.name for f in dataclasses.fields(DACConfig)}
+    for cell, shown in rows:
+        for name in re.findall(r"`([a-z_]+)`", cell):
+            if shown != "measured":
+                assert shown.strip("`").replace('"', "'") == repr(_default(DACConfig, name)), f"pipelines.md: {name}"
+
+
 def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], set[str]]:
     """Each command's (("train",), ("bench", "pareto"), ...) option strings."""
     out: dict[tuple[str, ...], set[str]] = {path: set()}

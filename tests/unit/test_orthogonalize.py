@@ -92,3 +92,26 @@ def test_the_shift_grows_with_the_rows_summed():
 def test_an_unknown_orthogonalization_is_refused():
     with pytest.raises(ValueError, match="unknown orthogonalization 'qr'"):
         orthogonalize_(torch.randn(1, 4, 2), "qr")
+
+
+def _cholesky_qr2_in_float32(p: torch.Tensor) -> torch.Tensor:
+    """The same algorithm as cholesky_qr2_, worked in float32 (shift m times float32's eps)."""
+    x = p.float().clone()
+    x.div_(torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min_(torch.finfo(x.dtype).tiny))
+    for _ in range(2):
+        gram = torch.bmm(x.mT, x)
+        gram.diagonal(dim1=-2, dim2=-1).add_(p.shape[-2] * EPS32)
+        chol, _ = torch.linalg.cholesky_ex(gram)
+        x = torch.linalg.solve_triangular(chol.mT, x, upper=True, left=False)
+    return x
+
+
+@pytest.mark.parametrize("rows", [768, 3072])
+def test_why_float64_in_float32_cholesky_qr2_fails_at_the_conditioning_a_warm_start_reaches(rows):
+    """The reason cholesky_qr2_ works in float64 (its docstring, docs/method.md): at a
+    condition number of 1e6 the float32 variant leaves P far from orthonormal (an error
+    above 0.5), where the float64 one is within Householder's bound."""
+    bad = _conditioned(rows, 32, 1e6).float()
+    assert _orthogonality_error(_cholesky_qr2_in_float32(bad)) > 0.5
+    house = _orthogonality_error(orthogonalize_(bad.clone(), "householder"))
+    assert _orthogonality_error(orthogonalize_(bad.clone(), "cholesky")) <= 2 * house + EPS32
