@@ -26,9 +26,14 @@ inside the hook calls: every aten op that launches work, views and other metadat
 ops left out (edgc.bench.ops). On a GPU each is at least one kernel launch. Ops torch's hook
 runs in future callbacks on gloo's thread are not seen: its count is a lower bound.
 
-The floor: one read of the gradient, at the copy bandwidth measured on the device (a
-copy of a gradient-sized buffer reads and writes it once each: half its time). A good
-round costs a small multiple of it (edgc.comm.step, "The round on a device").
+Two floors, measured on the device:
+- one read of the gradient, at the copy bandwidth (a copy of a gradient-sized buffer reads
+  and writes it once each: half its time). A good round costs a small multiple of it
+  (edgc.comm.step, "The round on a device");
+- the three projections every PowerSGD round makes (P = M Q, Q = M^T P, the average P Q^T),
+  as one batched matmul each per shape of the model's compressed matrices, at `--rank`, in
+  the working dtype, and nothing else: a round cannot cost less. Where matmuls are slow
+  (a CPU) it dominates; on a GPU it is a few reads.
 
 `--json FILE` writes every figure with the machine and the arguments.
 """
@@ -36,6 +41,7 @@ round costs a small multiple of it (edgc.comm.step, "The round on a device").
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import resource
@@ -50,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from edgc import EDGCConfig, EDGCState, edgc_hook
 from edgc.bench.ops import OpCounter
+from edgc.compress import compressible
 from edgc.models import build_model
 from edgc.train.launch import run_local
 
@@ -97,6 +104,32 @@ def copy_floor_seconds(numel: int, dtype: torch.dtype, device: torch.device, rep
         _synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:]) / 2
+
+
+def matmul_floor_seconds(shapes: list[tuple[int, int]], rank: int, dtype: torch.dtype, device: torch.device,
+                         repeats: int = 5) -> float:
+    """The three projections of one round on matrices of `shapes` at `rank` (capped by each
+    matrix), one batched matmul each per shape, in the working dtype (float32 for half
+    precision): the median time of `repeats`, the device synchronised around them."""
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for (m, n), count in sorted(collections.Counter(shapes).items()):
+        r = min(rank, m, n)
+        mats = torch.randn(count, m, n, generator=gen, dtype=work).to(device)
+        q = torch.randn(count, n, r, generator=gen, dtype=work).to(device)
+        batches.append((mats, q, torch.empty(count, m, r, dtype=work, device=device)))
+    times = []
+    for _ in range(repeats + 1):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        for mats, q, p in batches:
+            torch.bmm(mats, q, out=p)  # P = M Q
+            torch.bmm(mats.mT, p, out=q)  # Q = M^T P
+            torch.bmm(p, q.mT, out=mats)  # the average P Q^T
+        _synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -150,7 +183,9 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict
         step()
         ops = dict(record["counter"].ops)
     numel = sum(p.numel() for p in model.parameters())
-    return {"step_s": statistics.median(steps), "hook_s": statistics.median(hooks), "peak_bytes": peak,
+    shapes = [(p.shape[0], p[0].numel()) for p in model.parameters() if compressible(p.shape, args.rank, 2.0)]
+    return {"matmul_s": matmul_floor_seconds(shapes, args.rank, DTYPES[args.dtype], device),
+            "step_s": statistics.median(steps), "hook_s": statistics.median(hooks), "peak_bytes": peak,
             "ops": ops, "params": numel,
             "read_s": copy_floor_seconds(numel, DTYPES[args.dtype], device)}
 
@@ -185,15 +220,19 @@ def main() -> None:
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     any_row = next(iter(rows.values()))
     read_ms = any_row["read_s"] * 1e3
+    matmul_ms = statistics.median(r["matmul_s"] for r in rows.values()) * 1e3
     print(f"\n{args.preset} ({any_row['params'] / 1e6:.1f}M params, {args.dtype}), static rank {args.rank}, "
           f"batch {args.batch}x{args.block}, DDP buckets of {args.bucket_mb:g} MB, one process, {backend}, "
-          f"torch {torch.__version__}, {where}; one read of the gradient: {read_ms:.2f} ms\n")
-    print("| method | step (ms) | hook (ms) | hook / one read | peak memory (GB) | ops per round |")
-    print("|---|---|---|---|---|---|")
+          f"torch {torch.__version__}, {where}; one read of the gradient: {read_ms:.2f} ms; the three "
+          f"projections alone (the matmul floor): {matmul_ms:.1f} ms\n")
+    print("| method | step (ms) | hook (ms) | hook / one read | hook / matmul floor | peak memory (GB) "
+          "| ops per round |")
+    print("|---|---|---|---|---|---|---|")
     for method, r in rows.items():
         ops = sum(r["ops"].values())
+        ratio = f"{r['hook_s'] * 1e3 / matmul_ms:.2f}x" if method != "none" else "-"
         print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['hook_s'] * 1e3:.1f} | "
-              f"{r['hook_s'] / r['read_s']:.0f}x | {r['peak_bytes'] / 1e9:.2f} | {ops if r['ops'] else '-'} |")
+              f"{r['hook_s'] / r['read_s']:.0f}x | {ratio} | {r['peak_bytes'] / 1e9:.2f} | {ops if r['ops'] else '-'} |")
     for method, r in rows.items():
         if r["ops"]:
             top = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items(), key=lambda kv: -kv[1])[:8])
