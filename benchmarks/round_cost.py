@@ -231,8 +231,8 @@ def main() -> None:
     for method, r in rows.items():
         ops = sum(r["ops"].values())
         ratio = f"{r['hook_s'] * 1e3 / matmul_ms:.2f}x" if method != "none" else "-"
-        print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['hook_s'] * 1e3:.1f} | "
-              f"{r['hook_s'] / r['read_s']:.0f}x | {ratio} | {r['peak_bytes'] / 1e9:.2f} | {ops if r['ops'] else '-'} |")
+        print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['hook_s'] * 1e3:.1f} | {r['hook_s'] / r['read_s']:.0f}x | "
+              f"{ratio} | {r['peak_bytes'] / 1e9:.2f} | {ops if r['ops'] else '-'} |")
     for method, r in rows.items():
         if r["ops"]:
             top = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items(), key=lambda kv: -kv[1])[:8])
