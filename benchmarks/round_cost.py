@@ -35,7 +35,10 @@ Two floors, measured on the device:
   the working dtype, and nothing else: a round cannot cost less. Where matmuls are slow
   (a CPU) it dominates; on a GPU it is a few reads.
 
-`--json FILE` writes every figure with the machine and the arguments.
+`--repeats N` runs every method N times, each in a fresh process, the methods in turn: the
+table gives the medians and the hook's range (a hook whose work runs in future callbacks,
+as torch's does, moves with how the threads are scheduled). `--json FILE` writes every
+figure, every run's too, with the machine and the arguments.
 """
 
 from __future__ import annotations
@@ -190,6 +193,16 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace) -> dict
             "read_s": copy_floor_seconds(numel, DTYPES[args.dtype], device)}
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's row over its runs: the median of each time, the largest peak, and the
+    ops of its first run (the same in each)."""
+    row = dict(runs[0])
+    for key in ("step_s", "hook_s", "read_s", "matmul_s"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["peak_bytes"] = max(r["peak_bytes"] for r in runs)
+    return row
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-124m")
@@ -202,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every method, each in a fresh process, the methods taken in turn; the table "
+                             "gives the medians over them and the hook's range")
     parser.add_argument("--json", metavar="FILE", help="also write the figures here")
     return parser
 
@@ -215,7 +231,13 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("round_cost: --device cuda, but torch sees no CUDA GPU")
     backend = "nccl" if args.device == "cuda" else "gloo"
-    rows = {m: run_local(worker, 1, m, args, timeout=3600, backend=backend)[0] for m in methods}
+    if args.repeats < 1:
+        raise SystemExit("round_cost: --repeats must be at least 1")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for _ in range(args.repeats):  # (in turn, so that a slow spell of the machine falls on every method)
+        for m in methods:
+            runs[m].append(run_local(worker, 1, m, args, timeout=3600, backend=backend)[0])
+    rows = {m: _median_row(r) for m, r in runs.items()}
     where = (f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if args.device == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     any_row = next(iter(rows.values()))
@@ -225,21 +247,26 @@ def main() -> None:
           f"batch {args.batch}x{args.block}, DDP buckets of {args.bucket_mb:g} MB, one process, {backend}, "
           f"torch {torch.__version__}, {where}; one read of the gradient: {read_ms:.2f} ms; the three "
           f"projections alone (the matmul floor): {matmul_ms:.1f} ms\n")
-    print("| method | step (ms) | hook (ms) | hook / one read | hook / matmul floor | peak memory (GB) "
-          "| ops per round |")
-    print("|---|---|---|---|---|---|---|")
+    spread = args.repeats > 1
+    print(f"| method | step (ms) | hook (ms) | {'hook range (ms) | ' if spread else ''}hook / one read "
+          "| hook / matmul floor | peak memory (GB) | ops per round |")
+    print("|---|---|---|" + ("---|" if spread else "") + "---|---|---|---|")
     for method, r in rows.items():
         ops = sum(r["ops"].values())
         ratio = f"{r['hook_s'] * 1e3 / matmul_ms:.2f}x" if method != "none" else "-"
-        print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['hook_s'] * 1e3:.1f} | {r['hook_s'] / r['read_s']:.0f}x | "
-              f"{ratio} | {r['peak_bytes'] / 1e9:.2f} | {ops if r['ops'] else '-'} |")
+        hooks = [run["hook_s"] * 1e3 for run in runs[method]]
+        span = f"{min(hooks):.1f}–{max(hooks):.1f} | " if spread else ""
+        print(f"| {method} | {r['step_s'] * 1e3:.1f} | {r['hook_s'] * 1e3:.1f} | {span}"
+              f"{r['hook_s'] / r['read_s']:.0f}x | {ratio} | {r['peak_bytes'] / 1e9:.2f} | "
+              f"{ops if r['ops'] else '-'} |")
     for method, r in rows.items():
         if r["ops"]:
             top = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items(), key=lambda kv: -kv[1])[:8])
             print(f"\n{method}'s ops: {top}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": where, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "device": where, "torch": torch.__version__, "rows": rows, "runs": runs},
+                      f, indent=1)
     if dist.is_initialized():  # (never here: the workers own the process group)
         dist.destroy_process_group()
 
