@@ -8,8 +8,8 @@ import torch
 
 from edgc.cli import main
 from edgc.data import prepare_builtin, write_meta
+from edgc.train.blocks import block_losses_by_step
 from edgc.train.checkpoint import CHECKPOINT_NAME
-from edgc.train.evaluation import block_losses_by_step
 from edgc.train.metrics import read_metrics
 
 TRAIN_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time", "comm_time", "bytes_sent",

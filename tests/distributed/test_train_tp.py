@@ -13,8 +13,8 @@ from edgc.bench.simulate import SimOptions, compressed_matrices, stage_gradients
 from edgc.cli import main
 from edgc.config import EDGCConfig
 from edgc.models import build_model
+from edgc.train.blocks import load_block_losses
 from edgc.train.checkpoint import CHECKPOINT_NAME
-from edgc.train.evaluation import load_block_losses
 from edgc.train.launch import free_port
 from edgc.train.metrics import read_metrics
 

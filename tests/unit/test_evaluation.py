@@ -15,18 +15,16 @@ import torch.nn.functional as F
 from edgc.cli import main
 from edgc.data import TokenFile, write_token_file
 from edgc.models import build_model
-from edgc.train.config import TrainConfig
-from edgc.train.evaluation import (
+from edgc.train.blocks import (
     BlockLosses,
-    LossMoments,
-    block_losses,
     block_losses_by_step,
-    eval_batches,
-    eval_starts,
+    keep_block_losses_until,
     load_block_losses,
     paired_difference,
     save_block_losses,
 )
+from edgc.train.config import TrainConfig
+from edgc.train.evaluation import LossMoments, block_losses, eval_batches, eval_starts
 from edgc.train.metrics import perplexity
 from edgc.train.summary import compare_loss
 from edgc.train.trainer import evaluate
@@ -174,6 +172,10 @@ def test_block_losses_refuse_other_blocks_and_files_that_are_not_theirs(tmp_path
     (tmp_path / "val_blocks.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="not an edgc block-loss file"):
         load_block_losses(tmp_path)
+    # training does not stop over it: the next evaluation's losses replace it
+    save_block_losses(tmp_path, 5, np.arange(4), np.ones(4))
+    assert sorted(block_losses_by_step(tmp_path)) == [5]
+    (tmp_path / "val_blocks.npz").write_bytes(b"not a zip")
     np.savez(tmp_path / "val_blocks.npz", step=1, starts=np.array([object()], dtype=object), losses=np.ones(1))
     with pytest.raises(ValueError, match="not an edgc block-loss file"):
         load_block_losses(tmp_path)  # (an object array would need pickles: refused)
@@ -329,6 +331,25 @@ def test_every_evaluation_s_block_losses_are_kept_and_a_resumed_run_drops_what_i
     # evaluated on other blocks (another eval_tokens): the rows of the old ones would not pair with it
     save_block_losses(tmp_path, 400, starts * 2, rows[300])
     assert sorted(block_losses_by_step(tmp_path)) == [400]
+
+
+def test_a_resume_cuts_the_block_losses_back_to_its_checkpoint_with_the_metrics(tmp_path):
+    """A resumed run that stops before its next evaluation must not keep an earlier
+    attempt's rows past its checkpoint, which its metrics.jsonl no longer has."""
+    from edgc.train.metrics import MetricsWriter, read_metrics
+
+    starts = np.arange(0, 400, 40, dtype=np.int64)
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    for step in (100, 200, 300):
+        writer.write({"step": step, "kind": "val", "val_loss": 4.0})
+        save_block_losses(tmp_path, step, starts, np.full(10, 4.0 + step))
+    writer.close()
+    MetricsWriter.for_run(TrainConfig(out=str(tmp_path)), resume_step=250).close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [100, 200]
+    assert sorted(block_losses_by_step(tmp_path)) == [100, 200]
+    assert block_losses_by_step(tmp_path)[200].losses[0] == 204.0
+    keep_block_losses_until(tmp_path, 50)  # (nothing left: no file)
+    assert not (tmp_path / "val_blocks.npz").exists()
 
 
 def test_a_block_loss_file_of_the_first_format_still_loads(tmp_path):

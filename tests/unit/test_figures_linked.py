@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# 0.28x, 0.81×; +0.0034, −0.0015, -0.0015; 4.1324 ± 0.0095; 16.9% faster; 9.39 ms, 3.2 s
+# 0.28x, 0.81×; +0.0034, −0.0015, -0.0015; 4.1324 ± 0.0095; 16.9% faster; 9.39 ms, 3.2 s (times with a
+# decimal only: a whole number of ms or s is more often a setting, a timeout or a budget)
 FIGURE = re.compile(r"(?<![\w.])\d+\.\d+[x×](?!\w)|(?<![\w.])[+−-]\d\.\d{3,4}\b|\d\.\d+ ± \d"
                     r"|\b\d+(?:\.\d+)?% (?:faster|slower|less|fewer)|(?<![\w.])\d+\.\d+ m?s\b")
 WHERE = re.compile(r"\]\((?:\.\./)*(?:BENCHMARKS\.md|benchmarks/results/)[^)]*\)|<!-- derived -->")

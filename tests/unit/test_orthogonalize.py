@@ -107,7 +107,7 @@ def _cholesky_qr2_in_float32(p: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [768, 3072])
-def test_why_float64_in_float32_cholesky_qr2_fails_at_the_conditioning_a_warm_start_reaches(rows):
+def test_float32_cholesky_qr2_fails_at_the_conditioning_a_warm_start_reaches(rows):
     """The reason cholesky_qr2_ works in float64 (its docstring, docs/method.md): at a
     condition number of 1e6 the float32 variant leaves P far from orthonormal (an error
     above 0.5), where the float64 one is within Householder's bound."""

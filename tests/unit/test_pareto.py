@@ -19,7 +19,7 @@ from edgc.bench.pareto import (
     static_ranks,
     sweep,
 )
-from edgc.train.evaluation import BlockLosses
+from edgc.train.blocks import BlockLosses
 
 
 def _p(name, loss, mb, se=0.01, seconds=None, kind="static", rank=None):
@@ -185,7 +185,7 @@ def test_along_the_run_each_evaluation_is_judged_against_the_statics_at_that_ste
 
 def test_along_the_run_the_margin_is_paired_where_the_runs_kept_each_evaluation_s_blocks(tmp_path):
     from edgc.bench.pareto import along_markdown, points_along
-    from edgc.train.evaluation import save_block_losses
+    from edgc.train.blocks import save_block_losses
 
     losses = {"r8": {10: 4.0, 20: 3.5}, "r16": {10: 3.9, 20: 3.4}, "dyn": {10: 3.95, 20: 3.40}}
     for name, mb in (("r8", 1.0), ("r16", 2.0), ("dyn", 1.75)):

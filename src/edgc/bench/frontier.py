@@ -16,8 +16,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from edgc.train.blocks import BlockLosses, paired_difference
 from edgc.train.config import TrainConfig
-from edgc.train.evaluation import BlockLosses, paired_difference
 
 __all__ = ["END_TOLERANCE", "Judgement", "ParetoPoint", "combine", "difference", "frontier", "frontier_gap",
            "frontier_verdict", "judge", "paired_gap"]
@@ -37,7 +37,7 @@ class ParetoPoint:
     time_to_target: float  # seconds until the first validation loss <= the target (inf: never)
     wire: str = "native"  # what its sums travelled in: EDGCConfig.wire, "native" for torch's hook, "-" for none
     seed: int = TrainConfig.seed  # the run's
-    # its last evaluation's block losses, if kept
+    # that evaluation's block losses, if kept
     blocks: BlockLosses | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def record(self) -> dict[str, object]:

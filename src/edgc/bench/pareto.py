@@ -72,8 +72,8 @@ from edgc.bench.netns import Cluster, NetnsUnavailable
 from edgc.bench.train import time_to_target, train_on_cluster
 from edgc.models import PRESETS
 from edgc.policy.registry import policy_names
+from edgc.train.blocks import block_losses_by_step, load_block_losses
 from edgc.train.config import TrainConfig
-from edgc.train.evaluation import block_losses_by_step, load_block_losses
 from edgc.train.summary import load_run
 from edgc.train.trainer import ensure_data
 
@@ -247,7 +247,7 @@ def along_markdown(along: dict[str, dict[int, ParetoPoint]], target_name: str) -
             "static runs' losses then, against the bytes they had sent by then): whether a verdict holds through the "
             "run or only at its end. The first seed's runs; the margin is the gap's paired SE over the validation "
             "blocks, or the two losses' combined SE (marked \"combined\") where a run kept no block losses of that "
-            "evaluation (runs from before every evaluation's were kept).\n\n" + "\n".join(lines) + "\n\n")
+            "evaluation (runs made before each evaluation's block losses were kept).\n\n" + "\n".join(lines) + "\n\n")
 
 
 def _finished(run_dir: Path, args_list: list[str], steps: int) -> bool:

@@ -20,13 +20,11 @@ Both trainers (data-parallel and pipeline) evaluate the same way:
    evaluation itself, which is what a comparison on the same blocks needs.
 4. **Each block's loss.** The block losses themselves are gathered too (one float64 a
    block, summed over all ranks into their places), so that two runs on the same blocks
-   can be compared block by block: the SE of a paired difference (`paired_difference`)
-   is that of the per-block differences, far smaller than the two losses' combined SE
-   when the runs' errors move together, as they do on the same blocks. The trainers keep
-   every evaluation's in `val_blocks.npz` in the run folder (`write_evaluation`): the
-   blocks' starts once, and one row of losses per evaluated step. A resumed run's first
-   evaluation drops the rows of steps it evaluates again, as metrics.jsonl drops the
-   records past its checkpoint.
+   can be compared block by block: the SE of a paired difference is that of the
+   per-block differences, far smaller than the two losses' combined SE when the runs'
+   errors move together, as they do on the same blocks. The trainers keep every
+   evaluation's in the run folder's `val_blocks.npz` (`write_evaluation`; the file, its
+   reading and the paired difference are edgc.train.blocks').
 
 Before this, evaluation used 8 random batches (8,192 tokens), and the same checkpoint's
 loss moved from 3.543 to 3.614 +- 0.076 over 64 random batches (issue 10).
@@ -45,17 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from edgc.atomic import atomic_write
 from edgc.data import TokenFile
+from edgc.train.blocks import save_block_losses
 from edgc.train.metrics import MetricsWriter, perplexity
 
-__all__ = ["BLOCKS_FILE", "BlockLosses", "EvalBatch", "EvalResult", "LossMoments", "block_losses",
-           "block_losses_by_step", "eval_batches", "eval_starts", "load_block_losses", "paired_difference",
-           "save_block_losses", "val_record", "write_evaluation"]
-
-#: The run folder's file of every evaluation's block losses (numpy .npz, no pickles).
-BLOCKS_FILE = "val_blocks.npz"
-
+__all__ = ["EvalBatch", "EvalResult", "LossMoments", "block_losses", "eval_batches", "eval_starts", "val_record",
+           "write_evaluation"]
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -189,85 +182,6 @@ class LossMoments:
             se = math.nan
         return EvalResult(loss=mean, se=se, blocks=int(n), tokens=int(n) * block_size,
                           seconds=time.perf_counter() - self.start, losses=each, starts=self.starts)
-
-
-@dataclass(frozen=True)
-class BlockLosses:
-    """One evaluation's loss on each block, as `val_blocks.npz` holds it."""
-
-    step: int
-    """The step evaluated."""
-
-    starts: np.ndarray
-    """int64 (blocks,): each block's first token in the validation file (`eval_starts`)."""
-
-    losses: np.ndarray
-    """float64 (blocks,): each block's mean token cross-entropy."""
-
-
-def save_block_losses(folder: str | Path, step: int, starts: np.ndarray, losses: np.ndarray) -> Path:
-    """Adds one evaluation's block losses to `val_blocks.npz` in the run folder `folder`
-    (rewritten atomically) and returns its path. The rows already there for `step` or a
-    later step are dropped (a resumed run evaluating again what an earlier attempt
-    evaluated past its checkpoint), and so are all of them when they are of other blocks.
-    Raises ValueError if starts and losses differ in length, or naming a file there that
-    edgc did not write."""
-    starts, losses = np.asarray(starts, dtype=np.int64), np.asarray(losses, dtype=np.float64)
-    if starts.shape != losses.shape or starts.ndim != 1:
-        raise ValueError(f"block starts {starts.shape} and losses {losses.shape} must be 1-D and of one length")
-    kept = [b for b in block_losses_by_step(folder).values() if b.step < step and np.array_equal(b.starts, starts)]
-    steps = np.array([b.step for b in kept] + [step], dtype=np.int64)
-    rows = np.stack([b.losses for b in kept] + [losses])  # (evaluations, blocks)
-    path = Path(folder) / BLOCKS_FILE
-    with atomic_write(path) as f:
-        np.savez(f, steps=steps, starts=starts, losses=rows)
-    return path
-
-
-def block_losses_by_step(folder: str | Path) -> dict[int, BlockLosses]:
-    """Every evaluation's block losses the run folder kept, by step ({} without
-    `val_blocks.npz`: a run from before they were kept). A file of the first format, which
-    held the last evaluation's only (`step`, 1-D `losses`), gives that one. Loads arrays
-    only (no pickles); raises ValueError naming the file if it is not one edgc wrote."""
-    path = Path(folder) / BLOCKS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            starts, losses = npz["starts"], npz["losses"]
-            steps = npz["steps"] if "steps" in npz.files else np.array([npz["step"]]).reshape(1)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ValueError(f"{str(path)!r} is not an edgc block-loss file ({exc})") from None
-    if losses.ndim == 1:  # (the first format: one evaluation)
-        losses = losses[None, :]
-    if (starts.ndim != 1 or steps.ndim != 1 or losses.shape != (len(steps), len(starts))
-            or starts.dtype != np.int64 or steps.dtype != np.int64 or losses.dtype != np.float64):
-        raise ValueError(f"{str(path)!r} is not an edgc block-loss file (steps {steps.dtype}{steps.shape}, "
-                         f"starts {starts.dtype}{starts.shape}, losses {losses.dtype}{losses.shape})")
-    return {int(t): BlockLosses(step=int(t), starts=starts, losses=row) for t, row in zip(steps, losses, strict=True)}
-
-
-def load_block_losses(folder: str | Path, step: int | None = None) -> BlockLosses | None:
-    """The run folder's block losses of the evaluation at `step` (None: its last
-    evaluation's), or None if it kept none of that step (a run from before they were kept,
-    or an evaluation whose blocks were not kept: they pair only with the loss of the one
-    they were taken at). Raises ValueError as `block_losses_by_step`."""
-    kept = block_losses_by_step(folder)
-    if not kept:
-        return None
-    return kept[max(kept)] if step is None else kept.get(step)
-
-
-def paired_difference(a: BlockLosses, b: BlockLosses) -> tuple[float, float]:
-    """(mean of a's block losses minus b's, its standard error): the sample standard
-    deviation of the per-block differences over sqrt(blocks). The two evaluations must be
-    of the same blocks (ValueError otherwise); NaN SE with fewer than two blocks."""
-    if a.starts.shape != b.starts.shape or not np.array_equal(a.starts, b.starts):
-        raise ValueError(f"the two evaluations are not of the same blocks ({len(a.starts)} and {len(b.starts)} "
-                         "blocks): a paired difference needs the same validation file, block_size and eval_tokens")
-    d = a.losses - b.losses  # (blocks,)
-    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) >= 2 else math.nan
-    return float(d.mean()), se
 
 
 def val_record(step: int, result: EvalResult) -> dict[str, float | int | str]:

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgc.train.blocks import keep_block_losses_until
+
 if TYPE_CHECKING:
     from edgc.train.config import TrainConfig
 
@@ -48,7 +50,11 @@ class MetricsWriter:
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, resume_step: int | None = None) -> MetricsWriter:
-        """The writer of run `cfg`: RUN/metrics.jsonl, and RUN/tensorboard/ with --log tensorboard."""
+        """The writer of run `cfg`: RUN/metrics.jsonl, and RUN/tensorboard/ with --log tensorboard.
+        On resume the run's block losses past `resume_step` are dropped with its records
+        (edgc.train.blocks), so that neither holds an evaluation the other does not."""
+        if resume_step is not None:
+            keep_block_losses_until(cfg.out, resume_step)
         return cls(Path(cfg.out) / METRICS_NAME, resume_step, tensorboard=cfg.log == "tensorboard")
 
     def write(self, record: dict[str, Any]) -> None:

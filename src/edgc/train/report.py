@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from edgc.train.evaluation import load_block_losses
+from edgc.train.blocks import load_block_losses
 from edgc.train.plots import plot_runs
 from edgc.train.summary import RunSummary, load_run, memory_table, summarize, table
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgc.train.evaluation import BlockLosses, paired_difference
+from edgc.train.blocks import BlockLosses, paired_difference
 from edgc.train.metrics import perplexity, read_metrics
 
 if TYPE_CHECKING:
