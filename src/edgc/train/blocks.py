@@ -56,12 +56,7 @@ def save_block_losses(folder: str | Path, step: int, starts: np.ndarray, losses:
     except ValueError:  # (a file edgc did not write: replaced, not a reason to stop training)
         before = []
     kept = [b for b in before if b.step < step and np.array_equal(b.starts, starts)]
-    steps = np.array([b.step for b in kept] + [step], dtype=np.int64)
-    rows = np.stack([b.losses for b in kept] + [losses])  # (evaluations, blocks)
-    path = Path(folder) / BLOCKS_FILE
-    with atomic_write(path) as f:
-        np.savez(f, steps=steps, starts=starts, losses=rows)
-    return path
+    return _write(folder, [*kept, BlockLosses(step=step, starts=starts, losses=losses)])
 
 
 def keep_block_losses_until(folder: str | Path, step: int) -> None:
@@ -73,12 +68,20 @@ def keep_block_losses_until(folder: str | Path, step: int) -> None:
         kept = [b for s, b in sorted(block_losses_by_step(folder).items()) if s <= step]
     except ValueError:
         kept = []
-    if not kept:
+    if kept:
+        _write(folder, kept)
+    else:
         path.unlink(missing_ok=True)
-        return
+
+
+def _write(folder: str | Path, rows: list[BlockLosses]) -> Path:
+    """`val_blocks.npz` holding `rows` (evaluations of the same blocks, in step order),
+    written atomically; returns its path."""
+    path = Path(folder) / BLOCKS_FILE
     with atomic_write(path) as f:
-        np.savez(f, steps=np.array([b.step for b in kept], dtype=np.int64), starts=kept[0].starts,
-                 losses=np.stack([b.losses for b in kept]))
+        np.savez(f, steps=np.array([b.step for b in rows], dtype=np.int64), starts=rows[0].starts,
+                 losses=np.stack([b.losses for b in rows]))  # (evaluations, blocks)
+    return path
 
 
 def block_losses_by_step(folder: str | Path) -> dict[int, BlockLosses]:
