@@ -134,7 +134,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         _add_fields(p.add_argument_group(title), TrainConfig, "", "", names)
     group = p.add_argument_group("EDGCConfig fields, as --edgc-FIELD (edgc.config; defaults scaled to the run "
                                  "are given in words)")
-    _add_fields(group, EDGCConfig, "edgc-", "edgc__", shown_defaults=TrainConfig.SCALED_EDGC_DEFAULTS)
+    _add_fields(group, EDGCConfig, "edgc-", "edgc__", tuple(f.name for f in dataclasses.fields(EDGCConfig)
+                                                           if f.name != "total_steps"),  # (--steps is it)
+                shown_defaults=TrainConfig.SCALED_EDGC_DEFAULTS)
     group = p.add_argument_group("DACConfig fields, as --dac-FIELD, with --pp > 1 (edgc.policy.dac)")
     _add_fields(group, DACConfig, "dac-", "dac__")
     group = p.add_argument_group("the experts' own compression, as --expert-edgc-FIELD, with tiny-moe or small-moe "

@@ -35,8 +35,8 @@ from edgc.policy.schedule import ScheduleConfig, parse_rank_schedule
 from edgc.policy.warmup import WARMUP_MODES
 
 __all__ = ["ADDED_FIELDS", "MAX_RANK", "MAX_UNITS", "ORTHOGONALIZATIONS", "REMOVED_FIELDS", "SECTIONS", "SEED_LIMIT",
-           "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig", "flat_sections", "pipeline_refusal",
-           "upgrade_config_v1", "with_added_fields"]
+           "RUN_SCALED", "STATE_DTYPES", "SYNC_MODES", "WIRE_FORMATS", "EDGCConfig", "flat_sections",
+           "pipeline_refusal", "run_scaled", "upgrade_config_v1", "with_added_fields"]
 
 WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
@@ -72,6 +72,34 @@ SECTIONS: dict[str, type] = {"noise": NoiseConfig, "critical": CriticalConfig, "
                              "schedule": ScheduleConfig}
 
 
+class _Unset(int):
+    """A run-length default of EDGCConfig (an int that says it was not given): replaced in
+    __post_init__ by its value scaled to `total_steps`, or by itself as a plain int."""
+
+
+class _UnsetRate(float):
+    """_Unset for a float field (iteration_sample_rate)."""
+
+
+#: The EDGCConfig fields whose defaults depend on the run's length (`run_scaled`).
+RUN_SCALED = ("window", "iteration_sample_rate", "warmup_steps")
+
+
+def run_scaled(total_steps: int, window: Any = None) -> dict[str, Any]:
+    """The run-length settings for a run of `total_steps` optimiser steps, one rule for
+    EDGCConfig(total_steps=...) and `edgc train`: the window total_steps // 15 (at least
+    5), so that the rank can move about 15 times; alpha 5 / window within [0.1, 1], at
+    least 5 entropy samples a window; the warm-up at most a tenth of the run. `window`:
+    one given instead (alpha follows it; a value that is no positive integer is kept for
+    EDGCConfig to refuse by name)."""
+    scaled: dict[str, Any] = {"window": max(5, total_steps // 15) if window is None else window,
+                              "warmup_steps": max(1, total_steps // 10)}
+    w = scaled["window"]
+    good = isinstance(w, int) and not isinstance(w, bool) and w > 0
+    scaled["iteration_sample_rate"] = min(1.0, max(0.1, 5 / w)) if good else 0.1
+    return scaled
+
+
 @dataclass(kw_only=True)
 class EDGCConfig:
     """Hyperparameters of the EDGC compressor (docs/method.md explains each step)."""
@@ -83,6 +111,13 @@ class EDGCConfig:
         "sync_mode": SYNC_MODES, "wire": WIRE_FORMATS, "state_dtype": STATE_DTYPES,
         "orthogonalization": ORTHOGONALIZATIONS,
     }
+
+    total_steps: int | None = None
+    """The run's length in optimiser steps. Given, the defaults that suit a run of about
+    10^5 steps (the paper's) are scaled to it, as `edgc train` scales them (`run_scaled`):
+    `window`, `iteration_sample_rate` and `warmup_steps`, each unless given. None: those
+    keep their defaults, and the first compressed step warns once that they assume a long
+    run."""
 
     policy: str = "noise"
     """How the rank is chosen, by name in the policy registry: "noise" (the default: r_max
@@ -117,12 +152,14 @@ class EDGCConfig:
     sends, and it is where low rank costs the loss most (docs/method.md). 1: one rank for
     every matrix, as PowerSGD. A finite number in (0, 16]."""
 
-    window: int = 1000
-    """w: iterations per window; the rank is revisited once per window (paper: 1000)."""
+    window: int = _Unset(1000)  # (an _Unset default: scaled to total_steps when that is given)
+    """w: iterations per window; the rank is revisited once per window (paper: 1000).
+    Unless given, total_steps // 15 (at least 5) when `total_steps` is."""
 
-    iteration_sample_rate: float = 0.1
+    iteration_sample_rate: float = _UnsetRate(0.1)
     """alpha: the gradient is sampled every round(1/alpha) iterations (paper: 0.1). In
-    [MIN_SAMPLE_RATE, 1] = [1e-6, 1]."""
+    [MIN_SAMPLE_RATE, 1] = [1e-6, 1]. Unless given, 5 / window (within [0.1, 1]) when
+    `total_steps` is: at least 5 samples a window."""
 
     gradient_sample_rate: float = 0.25
     """beta: the fraction of gradient elements sampled; every round(1/beta)-th element of
@@ -149,9 +186,10 @@ class EDGCConfig:
     least `warmup_steps`, at the first window end where the error at r_min, in
     `warmup_error_norm`, falls below the error at r_max recorded at the first check)."""
 
-    warmup_steps: int = 1000
+    warmup_steps: int = _Unset(1000)
     """The warm-up's length in steps: the most ("gradient"), exactly ("fixed") or the
-    least ("release-check"); 0 or more (torch's PowerSGD hook defaults to 1000)."""
+    least ("release-check"); 0 or more (torch's PowerSGD hook defaults to 1000). Unless
+    given, total_steps // 10 (at least 1) when `total_steps` is."""
 
     warmup_min_steps: int = 0
     """For warmup "gradient": the fewest steps sent whole. Compression starts after the
@@ -258,6 +296,7 @@ class EDGCConfig:
     for the built-in policies, whose settings are the sections above."""
 
     def __post_init__(self) -> None:
+        self._scale_to_run()
         if dataclasses.is_dataclass(self.policy_settings) and not isinstance(self.policy_settings, type):
             self.policy_settings = dataclasses.asdict(self.policy_settings)  # (kept as its table)
         for name, cls in SECTIONS.items():  # (a table of a section's options builds the section)
@@ -266,6 +305,24 @@ class EDGCConfig:
                 reject_unknown_fields(cls, value, f"EDGCConfig.{name} has no field(s)")
                 setattr(self, name, cls(**value))
         self.validate()
+
+    def _scale_to_run(self) -> None:
+        """Give each field left at its run-length default (an _Unset value) its value:
+        scaled to `total_steps` when that is a valid length, else the default itself."""
+        steps = self.total_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            self._bad("total_steps", "must be a positive integer (the run's optimiser steps) or None")
+        window = None if isinstance(self.window, _Unset) else self.window
+        scaled = run_scaled(steps, window) if steps is not None else {}
+        #: the run-length fields left at the defaults of a long run (no total_steps given)
+        self.long_run_defaults = tuple(n for n in RUN_SCALED if steps is None
+                                       and isinstance(getattr(self, n), (_Unset, _UnsetRate)))
+        for name in RUN_SCALED:
+            value = getattr(self, name)
+            if isinstance(value, _Unset):
+                setattr(self, name, scaled.get(name, int(value)))
+            elif isinstance(value, _UnsetRate):
+                setattr(self, name, scaled.get(name, float(value)))
 
     def _bad(self, path: str, why: str) -> None:
         """Raise ValueError "EDGCConfig.<path>=<value>: <why>" (path: "field" or "section.field")."""

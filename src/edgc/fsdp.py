@@ -87,7 +87,7 @@ from edgc.comm.facade import SyncState
 from edgc.comm.stats import EDGCStats
 from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
-from edgc.fsdp_internals import ModuleParams, module_params, root_mesh
+from edgc.fsdp_internals import ModuleParams, fsdp_state, module_params, root_mesh
 from edgc.safeload import load_torch
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,9 @@ class EDGCFSDPState(SyncState):
     and load_state_dict hold this process's shards under its global rank."""
 
     def __init__(self, modules: list[_Module], sync: GradientSync, layout: tuple[int, int, int],
-                 expert_sync: GradientSync | None = None, ep: int = 1):
+                 expert_sync: GradientSync | None = None, ep: int = 1, reduce: str = "mean"):
         self._modules = modules
+        self.reduce = reduce  # "mean" or "sum" over the replicas (register_edgc)
         self.sync = sync
         self.layout = layout  # (replicate, shard, tp) sizes
         self.expert_sync = expert_sync  # the experts' core (register_edgc(..., expert_mesh=...)), else None
@@ -247,6 +248,8 @@ class EDGCFSDPState(SyncState):
         sync.receive(output, module.entries, future, last)
         if not future.done():  # (the eager core completes every buffer in its own call)
             raise RuntimeError("EDGC: a module's gradient was not averaged within FSDP's hook")
+        if self.reduce == "sum":  # (the replicas' sum, as native HSDP with a divide factor of 1)
+            output.mul_(self.layout[0])
 
 
 def _entry(d: dict[str, Any], key: str, trust: bool) -> dict[str, Any]:
@@ -280,7 +283,12 @@ def count_native_hsdp(model: nn.Module, mesh: DeviceMesh, *, replicate_dim: str 
     factor set to the whole data-parallel degree, as register_edgc does (edgc.moe)."""
     from torch.distributed.fsdp import FSDPModule
 
-    hooked = [m for m in model.modules() if isinstance(m, FSDPModule) and module_params(m)]
+    hooked, seen = [], set()  # (one module per unit: fully_shard([a, b]) shares one state)
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and id(fsdp_state(m)) not in seen:
+            seen.add(id(fsdp_state(m)))
+            if module_params(m):
+                hooked.append(m)
     if not hooked:
         raise ValueError("count_native_hsdp found no FSDPModule with parameters in the model")
     experts: list[Any] = []
@@ -421,11 +429,18 @@ def _fsdp_modules(model: nn.Module, shard_ranks: list[int], shard_dim: str, expe
     if not fsdp_modules:
         raise ValueError("register_edgc found no FSDPModule in the model: shard it with "
                          f"fully_shard(module, mesh=mesh[{shard_dim!r}]) first")
+    # One unit per FSDP state: fully_shard([a, b]) makes a and b FSDPModules that share
+    # one state, one parameter group and one hook (a final norm and the output layer, or
+    # tied embeddings, as torchtitan shards them). It is hooked once, named "a+b".
+    units: dict[int, tuple[str, Any]] = {}
+    for name, m in fsdp_modules:
+        key = id(fsdp_state(m))
+        label = name or "<root>"
+        units[key] = (f"{units[key][0]}+{label}", units[key][1]) if key in units else (label, m)
     hooked: list[Any] = []  # the FSDPModules of `modules`, in its order
     modules: list[_Module] = []
-    for name, m in fsdp_modules:
+    for label, m in units.values():
         groups = module_params(m)
-        label = name or "<root>"
         if len(groups) > 1:
             raise ValueError(f"FSDPModule {label!r} has {len(groups)} parameter groups (a per-parameter mesh); "
                              "register_edgc needs one group per module")
@@ -476,7 +491,7 @@ def _expert_groups(expert_mesh: DeviceMesh, shard_mesh: DeviceMesh, replicate_di
 def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None = None, *,
                   replicate_dim: str = "replicate", shard_dim: str = "shard",
                   expert_mesh: DeviceMesh | None = None,
-                  expert_config: EDGCConfig | None = None) -> EDGCFSDPState:
+                  expert_config: EDGCConfig | None = None, reduce: str = "mean") -> EDGCFSDPState:
     """Hook EDGC into every FSDPModule of `model`, sharded with
     `fully_shard(module, mesh=mesh[shard_dim])`; returns the state (stats, checkpoints).
 
@@ -497,13 +512,25 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     degree. `expert_stats()` gives their counters. `expert_config`: the experts' core's
     own settings (their policy, rank range, warm-up, wire), where they should differ from
     `config`'s; None: `config`'s.
+
+    `reduce`: how the replicas' gradients combine, "mean" (as native HSDP with FSDP's
+    default divide factor) or "sum" (as native HSDP after
+    `set_gradient_divide_factor(1.0)`, for a trainer that divides its loss by the global
+    token count, as torchtitan does): the average is compressed and sent, then multiplied
+    by the number of replicas. FSDP's reduce-scatter within a replica follows the
+    module's own divide factor either way.
     """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f'register_edgc: reduce={reduce!r} must be "mean" or "sum"')
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("register_edgc needs torch.distributed initialised (init_process_group or torchrun)")
     replicate_mesh, shard_mesh = _mesh_groups(mesh, replicate_dim, shard_dim)
     if expert_config is not None and expert_mesh is None:
         raise ValueError("register_edgc was given an expert_config but no expert_mesh: the experts' settings "
                          "apply to the FSDPModules sharded on expert_mesh (edgc.moe.expert_mesh)")
+    if reduce == "sum" and expert_mesh is not None:
+        raise ValueError('register_edgc: reduce="sum" is not built for experts (expert_mesh), whose divide factor '
+                         "edgc sets to the whole data-parallel degree")
     experts = None if expert_mesh is None else _expert_groups(expert_mesh, shard_mesh, replicate_dim, shard_dim)
     hooked, modules = _fsdp_modules(model, _ranks(shard_mesh.get_group()), shard_dim,
                                     experts[1].get_group() if experts is not None else None)
@@ -536,7 +563,8 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
                 m.set_gradient_divide_factor(float(shard_mesh.size() * ep))
                 if gloo and shard_mesh.size() > 1:  # (gloo has no pre-multiplied sum: sum, then divide)
                     m.set_force_sum_reduction_for_comms(True)
-    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size(), tp.size), expert_sync, ep)
+    state = EDGCFSDPState(modules, sync, (replicate_mesh.size(), shard_mesh.size(), tp.size), expert_sync, ep,
+                          reduce)
     for index, m in enumerate(hooked):
         m.set_all_reduce_hook(functools.partial(state._hook, index))
     logger.info("EDGC on FSDP: %s modules hooked, %s replicas x %s shards x %s TP ranks, %s EP ranks", len(modules),

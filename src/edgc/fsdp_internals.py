@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHECKED_TORCH", "ModuleParams", "ShardedParam", "module_params", "root_mesh"]
+__all__ = ["CHECKED_TORCH", "ModuleParams", "ShardedParam", "fsdp_state", "module_params", "root_mesh"]
 
 #: The torch releases whose FSDP2 internals this module was checked against.
 CHECKED_TORCH = ("2.11", "2.13")
@@ -49,12 +49,18 @@ class ModuleParams:
         return bool(_read(lambda: self.group.all_reduce_grads, "FSDPParamGroup.all_reduce_grads"))
 
 
+def fsdp_state(module: Any) -> Any:
+    """An FSDPModule's FSDP state: one object for all the modules that one
+    `fully_shard([a, b])` call sharded together, which share its parameter group and hook."""
+    return _read(module._get_fsdp_state, "FSDPModule._get_fsdp_state")
+
+
 def module_params(module: Any) -> list[ModuleParams]:
     """An FSDPModule's parameter groups: none (no parameters of its own), one, or several
     (a per-parameter mesh). Raises RuntimeError where this torch lays them out otherwise."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-    state = _read(module._get_fsdp_state, "FSDPModule._get_fsdp_state")
+    state = fsdp_state(module)
     groups = getattr(state, "_fsdp_param_groups", None)  # (a list in torch 2.13)
     if groups is None:  # (one group or None in torch 2.11)
         group = _read(lambda: state._fsdp_param_group, "FSDPState._fsdp_param_group(s)")

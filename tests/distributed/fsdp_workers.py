@@ -32,18 +32,25 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, width: int = 24, vocab: int = VOCAB) -> None:
+    """`units`: how the ends are sharded (`build`): "apart" (the default), "joint" (a
+    final norm and the head as one FSDP unit) or "tied" (the head's weight is the
+    embedding's, the two one unit)."""
+
+    def __init__(self, width: int = 24, vocab: int = VOCAB, units: str = "apart") -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.norm = nn.LayerNorm(width) if units == "joint" else nn.Identity()
         self.head = nn.Linear(width, vocab, bias=False)
+        if units == "tied":
+            self.head.weight = self.emb.weight
         self.skip_head = False  # (a step in which a parameter gets no gradient)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
         for block in self.blocks:
             x = block(x)
-        return x if self.skip_head else self.head(x)
+        return x if self.skip_head else self.head(self.norm(x))
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,15 +60,22 @@ def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def build(mode: str, layout: tuple[int, int], config: dict | None, dtype: str | None = None,
-          mesh_names: tuple[str, str] = ("replicate", "shard"), vocab: int = VOCAB) -> tuple[nn.Module, Any, Any]:
+          mesh_names: tuple[str, str] = ("replicate", "shard"), vocab: int = VOCAB,
+          units: str = "apart") -> tuple[nn.Module, Any, Any]:
     """The model sharded as `mode` says: "native" on the whole 2-D mesh (native HSDP),
-    "edgc" on the shard mesh with register_edgc(config); returns (model, state, mesh)."""
+    "edgc" on the shard mesh with register_edgc(config); returns (model, state, mesh).
+    `units` (TinyLM): "joint" and "tied" shard two modules as one FSDP unit,
+    fully_shard([norm, head]) or fully_shard([emb, head])."""
     torch.manual_seed(0)
-    model = TinyLM(vocab=vocab)
+    model = TinyLM(vocab=vocab, units=units)
     mesh = init_device_mesh("cpu", layout, mesh_dim_names=mesh_names)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=getattr(torch, dtype)) if dtype else \
         MixedPrecisionPolicy()
     target = mesh if mode == "native" else mesh[mesh_names[1]]
+    if units == "joint":
+        fully_shard([model.norm, model.head], mesh=target, mp_policy=mp)
+    elif units == "tied":
+        fully_shard([model.emb, model.head], mesh=target, mp_policy=mp)
     for block in model.blocks:
         fully_shard(block, mesh=target, mp_policy=mp)
     fully_shard(model, mesh=target, mp_policy=mp)
@@ -79,13 +93,15 @@ def train(rank: int, world: int, mode: str, config: dict | None, steps: int,
     as with native HSDP: set_requires_all_reduce), "dtype" of MixedPrecisionPolicy,
     "stop_at" a step to save a checkpoint at (model, optimiser, EDGC state; returned),
     "resume" one such checkpoint per rank to start from, "layout" (replicate, shard),
-    "vocab" the embedding's and head's rows (the batches' tokens stay below VOCAB), "off"
+    "vocab" the embedding's and head's rows (the batches' tokens stay below VOCAB), "units"
+    how the ends are sharded (TinyLM: "apart", "joint", "tied"), "off"
     the steps with EDGC switched off (state.enabled False).
     Returns the full parameters, the losses, the ranks and the stats."""
     options = options or {}
     accum, dtype, stop_at = options.get("accum", 1), options.get("dtype"), options.get("stop_at")
     resume, layout = options.get("resume"), options.get("layout", (2, 2))
-    model, state, mesh = build(mode, layout, config, dtype, vocab=options.get("vocab", VOCAB))
+    model, state, mesh = build(mode, layout, config, dtype, vocab=options.get("vocab", VOCAB),
+                               units=options.get("units", "apart"))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = 0
     if resume is not None:

@@ -48,6 +48,21 @@ def test_edgc_matches_native_hsdp_in_warmup_then_compresses_with_replicas_identi
     _check_compressed_run(run_workers(fsdp_workers.train, 4, "edgc", config, 12, timeout=300), 12)
 
 
+@pytest.mark.parametrize("units", ["joint", "tied"])
+def test_modules_sharded_as_one_unit_are_one_hook_matching_native_hsdp(units):
+    """fully_shard([norm, head]) and fully_shard([emb, head]) with tied weights (as
+    torchtitan shards them): one FSDP state, one parameter group and one hook for two
+    modules. The warm-up equals native HSDP's bit for bit, then every step compresses."""
+    config = dict(BASE, policy="static")
+    options = {"units": units}
+    native = run_workers(fsdp_workers.train, 4, "native", None, 3, options, timeout=300)
+    warm = run_workers(fsdp_workers.train, 4, "edgc", dict(config, wire="native"), 3, options, timeout=300)
+    for a, b in zip(native, warm, strict=True):
+        assert_same(a["params"], b["params"], "params")
+        assert a["losses"] == b["losses"]
+    _check_compressed_run(run_workers(fsdp_workers.train, 4, "edgc", config, 8, options, timeout=300), 8)
+
+
 def test_switched_off_edgc_is_native_hsdp_and_on_again_it_warms_up_from_where_it_stopped():
     native = run_workers(fsdp_workers.train, 4, "native", None, 3, timeout=300)
     off = run_workers(fsdp_workers.train, 4, "edgc", dict(BASE, policy="static"), 6, {"off": (0, 1, 2)},

@@ -548,3 +548,7 @@ class GradientSync:
         self.phase = "compress"
         logger.info("EDGC: compression starts after step %s at rank %s (r_min %s, r_max %s); %s matrices in %s groups",
                     self.step, rank, self.r_min, self.r_max, len(shapes), len(self.compression.groups))
+        if "window" in getattr(cfg, "long_run_defaults", ()):
+            logger.warning("EDGC: the rank moves once every %s steps and the warm-up lasts at most %s, defaults that "
+                           "suit a run of about 100,000 steps; give EDGCConfig(total_steps=<the run's steps>) to "
+                           "scale them to yours (docs/config.md#scaled-to-the-run)", cfg.window, cfg.warmup_steps)

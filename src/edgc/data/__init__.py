@@ -7,7 +7,16 @@ from edgc.data.corpus import (
     iter_text_files,
     split_corpus,
 )
-from edgc.data.prepare import PreparedData, data_tokenizer, prepare, prepare_builtin, prepare_files, write_meta
+from edgc.data.prepare import (
+    PreparedData,
+    builtin_folder,
+    data_tokenizer,
+    ensure_builtin,
+    prepare,
+    prepare_builtin,
+    prepare_files,
+    write_meta,
+)
 from edgc.data.stream import BatchStream, windows_at
 from edgc.data.tokenizer import (
     BPETokenizer,
@@ -30,7 +39,9 @@ __all__ = [
     "TokenFileHeader",
     "Tokenizer",
     "builtin_corpus",
+    "builtin_folder",
     "data_tokenizer",
+    "ensure_builtin",
     "get_batch",
     "gpt2_tokenizer",
     "iter_text_files",

@@ -32,7 +32,8 @@ from edgc.data.tokens import TokenFileHeader, write_token_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PreparedData", "data_tokenizer", "prepare", "prepare_builtin", "prepare_files", "write_meta"]
+__all__ = ["PreparedData", "builtin_folder", "data_tokenizer", "ensure_builtin", "prepare", "prepare_builtin",
+           "prepare_files", "write_meta"]
 
 TOKENIZER_FILE = "tokenizer.json"
 """A local BPE's file inside a prepared data folder; meta.json names it relative to the
@@ -257,6 +258,44 @@ def write_meta(folder: Path, tokenizer: str, vocab_size: int, train_tokens: int,
     if files is not None:
         meta["train_files"], meta["val_files"] = files
     (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def builtin_folder(cache: str | Path, tokenizer: str = "bpe", vocab_size: int = 2048,
+                   max_bytes: int | None = None) -> Path:
+    """Where the built-in corpus is prepared inside the cache folder `cache`, for this
+    tokenizer and size. The version tag changes whenever the built-in selection or split
+    does, so that an old cache (e.g. one with the code-page tables, before version 2) is
+    never reused."""
+    from edgc.data.corpus import BUILTIN_CORPUS_VERSION
+
+    vocab = vocab_size if tokenizer == "bpe" else ""
+    return Path(cache) / f"builtin-v{BUILTIN_CORPUS_VERSION}-{tokenizer}{vocab}-{max_bytes or 'all'}"
+
+
+def ensure_builtin(folder: str | Path, tokenizer: str = "bpe", max_bytes: int | None = None,
+                   vocab_size: int = 2048) -> Path:
+    """`folder`, with the built-in corpus prepared in it (`prepare_builtin`, then meta.json)
+    unless it already is. Safe when several processes call it at once on one machine (the
+    workers of a run, each starting with it): the first prepares, the others wait on a lock
+    file beside the folder, then find it prepared."""
+    import fcntl
+
+    folder = Path(folder)
+    if (folder / "meta.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        if not (folder / "meta.json").is_file():
+            logger.info("tokenising the built-in corpus into %s (once)", folder)
+            folder.mkdir(exist_ok=True)
+            prepared = prepare_builtin(folder, tokenizer=tokenizer, max_bytes=max_bytes, vocab_size=vocab_size)
+            from edgc.data.tokens import TokenFile
+
+            write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
+                       prepared.train_tokens, prepared.val_tokens,
+                       source="built-in corpus (Python standard library sources)")
+    return folder
 
 
 def data_tokenizer(folder: str | Path) -> Tokenizer:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from edgc.config import EP_WIRES, MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal
+from edgc.config import EP_WIRES, MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal, run_scaled
 from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
@@ -308,14 +308,10 @@ class TrainConfig:
 
     def builtin_data_folder(self) -> Path:
         """Where the built-in corpus is (or will be) prepared for this run's tokenizer, in
-        `data_cache`. The version tag changes whenever the built-in selection or split
-        does, so that an old cache (e.g. one with the code-page tables, before version 2)
-        is never reused."""
-        from edgc.data.corpus import BUILTIN_CORPUS_VERSION
+        `data_cache` (edgc.data.builtin_folder)."""
+        from edgc.data.prepare import builtin_folder
 
-        vocab = self.vocab_size if self.tokenizer == "bpe" else ""
-        name = f"builtin-v{BUILTIN_CORPUS_VERSION}-{self.tokenizer}{vocab}-{self.corpus_bytes or 'all'}"
-        return Path(self.data_cache) / name
+        return builtin_folder(self.data_cache, self.tokenizer, self.vocab_size, self.corpus_bytes)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and saying what it may be: its
@@ -371,6 +367,9 @@ class TrainConfig:
                 f"data={self.data!r}: no prepared data there (expected meta.json, train.bin, val.bin); "
                 f"make it with: edgc prepare TEXT_FILES_OR_FOLDERS --out {self.data}"
             )
+        for table in ("edgc", "expert_edgc"):
+            if "total_steps" in getattr(self, table):
+                bad(table, "total_steps is the run's --steps here; the run scales the window and warm-up to it")
         self.edgc_config()  # raises ValueError naming the EDGCConfig field
         self.dac_config()
         if self.microbatches is not None and self.pp == 1:
@@ -552,15 +551,13 @@ class TrainConfig:
         the steps (release), ended by the gradient (EDGCConfig.warmup) but not before the
         learning rate's warm-up has ended (warmup_min_steps), fixed in a pipeline.
         """
-        window = self.edgc.get("window", max(5, self.steps // 15))
         values: dict[str, Any] = {
             "policy": "static" if self.method == "powersgd" else EDGCConfig().policy,
             **({"long_rank_factor": 1.0} if self.method == "powersgd" else {}),  # (PowerSGD: one rank)
             "max_rank": self.rank,
-            "window": window,
-            # (an invalid window is left for EDGCConfig to reject by name)
-            "iteration_sample_rate": min(1.0, max(0.1, 5 / window)) if isinstance(window, int) and window > 0 else 0.1,
-            "warmup_steps": max(1, self.steps // 10),
+            # (the rule EDGCConfig(total_steps=...) follows; an invalid window is left for
+            # EDGCConfig to reject by name)
+            **run_scaled(self.steps, self.edgc.get("window")),
             "seed": self.seed,
             # a pipeline stage syncs after its backward pass and sends (edgc.comm.pipeline):
             # there is nothing to overlap, and whole steps keep its DAC timings whole

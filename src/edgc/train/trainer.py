@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from edgc.comm.replicas import blobs_as_tensors, gather_replicas
 from edgc.config import EDGCConfig, flat_sections, upgrade_config_v1, with_added_fields
-from edgc.data import BatchStream, TokenFile, prepare_builtin, write_meta
+from edgc.data import BatchStream, TokenFile, ensure_builtin, write_meta
 from edgc.fields import table_fields
 from edgc.models import build_model
 from edgc.train.checkpoint import (
@@ -75,15 +75,7 @@ def ensure_data(cfg: TrainConfig) -> Path:
     """The prepared data folder; tokenises the built-in corpus into the cache if needed."""
     if cfg.data is not None:
         return Path(cfg.data)
-    folder = cfg.builtin_data_folder()
-    if not (folder / "meta.json").is_file():
-        logger.info("tokenising the built-in corpus into %s (once)", folder)
-        prepared = prepare_builtin(folder, tokenizer=cfg.tokenizer, max_bytes=cfg.corpus_bytes,
-                                   vocab_size=cfg.vocab_size)
-        write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
-                   prepared.train_tokens, prepared.val_tokens,
-                   source="built-in corpus (Python standard library sources)")
-    return folder
+    return ensure_builtin(cfg.builtin_data_folder(), cfg.tokenizer, cfg.corpus_bytes, cfg.vocab_size)
 
 
 def prepare_run(cfg: TrainConfig, resume: str | Path | None, world_size: int, overwrite: bool = False) -> TrainConfig:
