@@ -339,6 +339,7 @@ class _TensorParallel:
     dims: tuple[str, ...]  # the mesh dimensions the parameters are split over besides the shard one ("tp")
     size: int  # TP ranks (the product of those dimensions' sizes; 1 without TP)
     copies: frozenset[Hashable]  # entry keys of tensors held whole on every TP rank, counted on another one
+    ranks: tuple[int, ...] = ()  # this process's TP group, where `mesh`'s root mesh lacks `dims` (else ())
 
 
 def _tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim: str, shard_dim: str
@@ -357,13 +358,18 @@ def _tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim
                     dims.append(name)
     if not dims:
         return _TensorParallel((), 1, frozenset())
+    if replicate_dim in dims:
+        raise ValueError(f"the model's parameters are split over mesh dimensions {dims}, the replicate dimension "
+                         f"{replicate_dim!r} among them: register_edgc syncs the replicas, which must hold whole "
+                         "copies of each shard")
     root = root_mesh(mesh)
-    root_names = tuple(root.mesh_dim_names or ())
-    missing = [d for d in dims if d not in root_names]
-    if missing or replicate_dim in dims:
-        raise ValueError(f"the model's parameters are split over mesh dimensions {dims}, which the mesh given to "
-                         f"register_edgc does not slice from (its root mesh has {root_names}): build one mesh "
-                         f"({replicate_dim!r}, {shard_dim!r}, 'tp') and pass mesh[{replicate_dim!r}, {shard_dim!r}]")
+    ranks: tuple[int, ...] = ()
+    if not set(dims) <= set(root.mesh_dim_names or ()):
+        # (a mesh unflattened from the world mesh, as torchtitan builds: its root is "world",
+        # so the TP dimensions are read off a split parameter's own mesh)
+        root = next(p.tensor.device_mesh for g in groups for p in g.params
+                    if set(dims) <= set(p.tensor.device_mesh.mesh_dim_names or ()))
+        ranks = tuple(sorted(int(r) for r in root[dims].mesh.flatten().tolist()))
     coordinate = {d: root[d].get_local_rank() for d in dims}
     copies = set()
     for index, group in enumerate(groups):
@@ -373,14 +379,19 @@ def _tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim
                      if n != shard_dim and not placement.is_replicate()}
             if any(coordinate[d] != 0 for d in dims if d not in split):
                 copies.add((index, k))
-    return _TensorParallel(tuple(dims), math.prod(root[d].size() for d in dims), frozenset(copies))
+    return _TensorParallel(tuple(dims), math.prod(root[d].size() for d in dims), frozenset(copies), ranks)
 
 
-def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...]) -> dist.ProcessGroup:
+def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...], tp_ranks: tuple[int, ...] = ()
+                 ) -> dist.ProcessGroup:
     """The group that agrees the decisions: every process that shares this one's
     coordinates on the root mesh's other dimensions (a pipeline stage's "pp"), over the
     `stage_dims`. Every process creates every such group, in the same order
-    (torch.distributed.new_subgroups_by_enumeration), as new_group requires."""
+    (torch.distributed.new_subgroups_by_enumeration), as new_group requires.
+    `tp_ranks`: this process's TP group where the root mesh lacks the TP dimensions; the
+    stage is then `mesh`'s processes and their TP groups (`_joined_stages`)."""
+    if tp_ranks:
+        return _subgroup(_joined_stages(mesh, tp_ranks))
     root = root_mesh(mesh)
     names = tuple(root.mesh_dim_names or ())
     if not set(stage_dims) <= set(names):  # (a mesh of its own, not sliced: it is the stage)
@@ -388,7 +399,11 @@ def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...]) -> dist.ProcessG
     other = [i for i, n in enumerate(names) if n not in stage_dims]
     inner = [names.index(n) for n in stage_dims]
     ranks = root.mesh.permute(*other, *inner).reshape(-1, math.prod(root.mesh.shape[i] for i in inner))
-    stages = [sorted(row.tolist()) for row in ranks]
+    return _subgroup([sorted(row.tolist()) for row in ranks])
+
+
+def _subgroup(stages: list[list[int]]) -> dist.ProcessGroup:
+    """This process's group among `stages` (every process names them all, in one order)."""
     if len(stages) == 1 and len(stages[0]) == dist.get_world_size():
         assert dist.group.WORLD is not None  # (initialised: register_edgc checked)
         return dist.group.WORLD
@@ -396,6 +411,22 @@ def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...]) -> dist.ProcessG
     if group is None:
         raise ValueError(f"process {dist.get_rank()} is not in the mesh given to register_edgc")
     return group
+
+
+def _joined_stages(mesh: DeviceMesh, tp_ranks: tuple[int, ...]) -> list[list[int]]:
+    """Every stage: the processes linked by `mesh` (replicate x shard) or by a TP group,
+    from every process's two groups (one all_gather_object at registration)."""
+    mine = sorted({int(r) for r in mesh.mesh.flatten().tolist()} | set(tp_ranks))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    stages: list[set[int]] = []
+    for ranks in everyone:  # (merge the groups that share a process)
+        joined = set(ranks)
+        for stage in [s for s in stages if s & joined]:
+            joined |= stage
+            stages.remove(stage)
+        stages.append(joined)
+    return sorted(sorted(stage) for stage in stages)
 
 
 def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: _TensorParallel) -> None:
@@ -536,7 +567,7 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
                                     experts[1].get_group() if experts is not None else None)
     dense = [m for m in modules if not m.expert]
     tp = _tensor_parallel(mesh, [m.group for m in dense], replicate_dim, shard_dim)
-    control = _stage_group(mesh, (replicate_dim, shard_dim, *tp.dims))
+    control = _stage_group(mesh, (replicate_dim, shard_dim, *tp.dims), tp.ranks)
     if tp.size > 1:
         if experts is not None:
             raise ValueError("register_edgc does not combine experts (expert_mesh) with tensor parallelism yet")

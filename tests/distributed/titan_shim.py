@@ -10,12 +10,14 @@ Run as a script, it is torchtitan's own entry point with the patches installed:
     torchrun --nproc-per-node 4 tests/distributed/titan_shim.py \
         --module edgc.integrations.torchtitan --config llama3_debugmodel ...
 
-and CPU_FLAGS are the flags a CPU run needs besides.
+and CPU_FLAGS are the flags a CPU run needs besides. With EDGC_TITAN_RECORD=DIR set, it
+also writes what the tests read back (`record`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import runpy
 import sys
 from typing import Any
@@ -82,6 +84,50 @@ def install() -> None:
     attention.FlexAttention._compiled_flex_attn = staticmethod(_causal_sdpa)
 
 
+def record(out: str) -> None:
+    """What the tests read back, written to `out`/rank<R>.json when the trainer closes:
+    each logged step's loss, edgc's stats (with edgc), this process's coordinates on the
+    dp_replicate, fsdp and tp dimensions, and a digest of its parameter shards (equal on
+    two replicas only if every shard is bit-identical)."""
+    import dataclasses
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.trainer import Trainer
+
+    losses: dict[int, float] = {}
+    log = MetricsProcessor.log
+
+    def log_and_record(self: Any, step: int, loss: float, *args: Any, **kwargs: Any) -> None:
+        losses[step] = loss
+        log(self, step, loss, *args, **kwargs)
+
+    MetricsProcessor.log = log_and_record  # type: ignore[method-assign]
+    close = Trainer.close
+
+    def close_and_record(self: Any) -> None:
+        digest = hashlib.sha256()
+        for _, p in sorted(self.model_parts[0].named_parameters()):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            digest.update(local.detach().contiguous().numpy().tobytes())
+        dims = self.parallel_dims
+        coords = {d: (m.get_local_rank() if (m := dims.get_optional_mesh(d)) is not None else 0)
+                  for d in ("dp_replicate", "fsdp", "tp")}
+        state = getattr(self, "edgc_state", None)
+        stats = None if state is None else {k: v for k, v in dataclasses.asdict(state.stats()).items()
+                                            if isinstance(v, (int, str)) or v == v}
+        record = {"losses": losses, "coords": coords, "digest": digest.hexdigest(), "edgc": stats,
+                  "step": self.step}
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        close(self)
+
+    Trainer.close = close_and_record  # type: ignore[method-assign]
+
+
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                  enable_gqa: bool = False, **_: Any) -> tuple[torch.Tensor, Any]:
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -107,5 +153,7 @@ class _ZeroMemoryMonitor:
 
 if __name__ == "__main__":
     install()
+    if os.environ.get("EDGC_TITAN_RECORD"):
+        record(os.environ["EDGC_TITAN_RECORD"])
     sys.argv[0] = "torchtitan.train"
     runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)

@@ -32,8 +32,10 @@ What changes against torchtitan's native HSDP (docs/torchtitan.md):
   models' vocabulary size).
 
 Refused in one line, before the model is built: pipeline parallelism, context
-parallelism, expert parallelism (torchtitan shards routed experts on a per-parameter
-mesh, on which FSDP2 takes no all-reduce hook), a run without replicas to sync
+parallelism, models with routed experts (MoE: torchtitan shards them on a per-parameter
+mesh under expert parallelism, on which FSDP2 takes no all-reduce hook; without it, a
+stacked expert weight would be compressed as one matrix, not one per expert), the
+chunked loss (`_CHUNKED`: with_edgc replaces it by its inner loss), a run without replicas to sync
 (`--parallelism.data-parallel-replicate-degree` 1), an SPMD backend other than
 "partial_dtensor", and any invalid edgc setting (`max_rank` None included: calibration
 is not built for FSDP).
@@ -63,6 +65,7 @@ from torch.utils.data import IterableDataset  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.loss import ChunkedLossWrapper  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
+from torchtitan.models.common.moe import MoE  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from edgc.config import EDGCConfig, flat_sections  # noqa: E402
@@ -142,7 +145,7 @@ class EDGCTrainer(Trainer):
             """The run's EDGCConfig: the given settings, the rest scaled to --training.steps,
             and a gradient-ended warm-up that lasts at least the learning rate's."""
             given = _given(self.edgc)
-            if given.get("max_rank", 32) is None:
+            if self.edgc.max_rank is None:  # (its default is 32, not None)
                 raise ValueError("edgc with torchtitan: max_rank=None (calibrating r_max by timing) is not built for "
                                  "FSDP; give --edgc.max-rank, e.g. 32")
             values: dict[str, Any] = {"total_steps": self.training.steps, **given}
@@ -156,8 +159,6 @@ class EDGCTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         self.edgc_state: EDGCFSDPState | None = None
         self._micro = 0  # micro-batches run in this optimiser step
-        for path in _builtin_paths(config):
-            ensure_builtin(path)
         spec = config.model_spec
         if config.edgc.enable and spec is not None:
             refusal = _layout_refusal(config)
@@ -171,6 +172,8 @@ class EDGCTrainer(Trainer):
             config.model_spec = dataclasses.replace(
                 spec, parallelize_fn=_shard_only(spec.parallelize_fn),
                 post_optimizer_build_fn=functools.partial(self._register, spec.post_optimizer_build_fn))
+        for path in _builtin_paths(config):
+            ensure_builtin(path)
         super().__init__(config)
         if self.edgc_state is None:
             return
@@ -220,6 +223,13 @@ def _layout_refusal(config: Any) -> str | None:
     """Why edgc cannot serve this torchtitan config's layout, or None."""
     if isinstance(config.loss, ChunkedLossWrapper.Config):
         return f"--loss is a ChunkedLossWrapper: {_CHUNKED} (with_edgc sets it)"
+    spec = config.model_spec
+    if spec is not None and any(spec.model.traverse(MoE.Config)):
+        return (f"{spec.name} {spec.flavor} has routed experts, which edgc does not compress under torchtitan yet: "
+                "with expert parallelism torchtitan shards them on a per-parameter mesh, where FSDP2 takes no "
+                "all-reduce hook, and without it each stacked [experts, out, in] weight would be compressed as one "
+                "(experts, out x in) matrix instead of one matrix per expert (edgc.moe does that, under edgc "
+                "train --ep)")
     p = config.parallelism
     if p.spmd_backend != "partial_dtensor":
         return (f"--parallelism.spmd-backend {p.spmd_backend} is not supported: edgc hooks FSDP2's all-reduce on a "
