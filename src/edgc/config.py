@@ -540,9 +540,12 @@ def with_added_fields(values: dict[str, Any]) -> dict[str, Any]:
 
 #: What a config saved by edgc 0.1 ran with where it lacks a key: fields added during
 #: 0.1 had no effect before they existed ("whole-step" was the only sync mode, and the
-#: warm-up was fixed).
+#: warm-up was fixed). 0.1 sent P and Q in the gradient's dtype ("native" wire) and kept
+#: the error feedback and Q in the working dtype, float32 for half-precision gradients
+#: (its saved groups hold them so): "float32", not today's default "native", whose error
+#: feedback of bf16 or fp16 gradients is bf16.
 _V1_DEFAULTS: dict[str, Any] = {"sync_mode": "whole-step", "warmup_max_error": None, "warmup_error_check": False,
-                                "wire": "native", "state_dtype": "native",
+                                "wire": "native", "state_dtype": "float32",
                                 "noise_exponent": 0.5, **ADDED_FIELDS}
 #: edgc 0.1's flat names whose 0.2 name differs (the rest keep theirs: noise_exponent, ...).
 _V1_RENAMED = {"lr_drop_factor": "critical_lr_drop_factor", "entropy_smoothing": "cqm_smoothing",
@@ -554,7 +557,8 @@ _V1_REMOVED = ("error_budget", "spectral_headroom")
 def upgrade_config_v1(values: dict[str, Any]) -> dict[str, Any]:
     """An EDGCConfig mapping saved by edgc 0.1 (flat; the warm-up as `warmup_error_check`
     and a `warmup_max_error` that None made fixed) as the nested mapping of today's
-    EDGCConfig, with the same behaviour. Raises ValueError for a removed policy."""
+    EDGCConfig, with the same behaviour: the fields 0.1 lacked as it ran (wire "native",
+    state_dtype "float32", ...). Raises ValueError for a removed policy."""
     old = {**_V1_DEFAULTS, **values}
     if old.get("policy") in REMOVED:
         raise ValueError(f"this state or run uses policy {old['policy']!r}, {REMOVED[old['policy']]}")

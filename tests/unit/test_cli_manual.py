@@ -41,7 +41,8 @@ def test_train_help_reads_as_a_manual():
     assert "\"compute-only\" syncs nothing" in text
     assert '"none" (plain all-reduce)' in text and "(default: edgc)" in text
     assert "--log {jsonl,tensorboard}" in text and "(default: jsonl)" in text
-    assert "--steps INT Optimiser steps. (default: 300)" in text
+    assert "--steps INT Optimiser steps. A resume may change it:" in text
+    assert "the rest of its schedule as the first length set it (docs/checkpoints.md). (default: 300)" in text
     # readable placeholders, and a bool flag's two forms
     assert "--out DIR" in text and "--data DIR|null" in text and "--edgc-schedule-ranks STEP:RANK,..." in text
     assert "--progress [true|false], --no-progress Show" in text

@@ -29,6 +29,16 @@ def test_checkpoints_doc_lists_what_a_resume_may_change():
     assert set(listed) == {_flag(n) for n in RESUME_MAY_CHANGE}
 
 
+def test_ddp_doc_names_every_edgc_stats_field():
+    from edgc.comm.stats import EDGCStats
+
+    text = (ROOT / "docs" / "ddp.md").read_text()
+    found = re.search(r"`state\.stats\(\)` returns an `EDGCStats` dataclass:(.*?)Each replica reports", text, re.S)
+    assert found, "docs/ddp.md: no '`state.stats()` returns an `EDGCStats` dataclass: ...' paragraph"
+    named = set(re.findall(r"`([a-z_]+)`", found.group(1)))
+    assert {f.name for f in dataclasses.fields(EDGCStats)} <= named
+
+
 def _default(cls: type, name: str) -> object:
     f = cls.__dataclass_fields__[name]
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -36,14 +36,16 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Linear(10, 6))
 
 
-def _steps(model: torch.nn.Module, state: EDGCState, start: int, n: int, lrs: list[float] | None) -> list[int]:
+def _steps(model: torch.nn.Module, state: EDGCState, start: int, n: int, lrs: list[float] | None,
+           dtype: torch.dtype = torch.float32) -> list[int]:
     """n steps of plain SGD with the gradient synchronised through edgc_hook, as
-    make_v1_states.py ran them; returns the rank each step was sent at (0: uncompressed)."""
+    make_v1_states.py ran them (the inputs in `dtype`, the model's); returns the rank each
+    step was sent at (0: uncompressed)."""
     ranks = []
     for step in range(start, start + n):
         if lrs is not None:
             state.set_learning_rate(lrs[step])
-        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(8, 12, generator=torch.Generator().manual_seed(step)).to(dtype)
         model.zero_grad()
         model(x).square().mean().backward()
         sync_with_hook(list(model.parameters()), state, edgc_hook, cap_bytes=200)
@@ -121,6 +123,8 @@ def test_a_v1_config_keeps_its_meaning():
     assert configs["cqm-fixed"].sync_mode == "pipelined"
     assert configs["critical-fixed"].critical.threshold == 0.3
     assert configs["schedule"].schedule.ranks == "0:4,4:2"
+    # (0.1 sent P and Q in the gradient's dtype and kept the error feedback in the working one)
+    assert {(c.wire, c.state_dtype) for c in configs.values()} == {("native", "float32")}
 
 
 @pytest.mark.parametrize("case", list(SAVED))
@@ -149,6 +153,24 @@ def test_a_v1_state_resumes_as_edgc_0_1_did(one_process_group, monkeypatch, case
         message = f"{case}: stats().{name} = {stats[name]!r}, edgc 0.1 had {expected!r}"
         assert _difference(stats[name], expected, rel=1e-6) is None, message
     assert ranks == saved["ranks"][STEPS_BEFORE:], case
+
+
+def test_a_v1_state_of_half_precision_gradients_keeps_its_error_feedback_in_float32(one_process_group):
+    """edgc 0.1 kept the error feedback of bf16 and fp16 gradients in float32 (the working
+    dtype), and saved it so: resumed, it stays float32, not rounded to today's default, bf16."""
+    saved = SAVED["linear-fixed"]
+    v1 = copy.deepcopy(saved["state"])
+    for g in v1["groups"]:  # (as 0.1 saved a bf16 model's state: the gradient's dtype, Q and error in float32)
+        assert g["q"].dtype == g["error"].dtype == torch.float32
+        g["dtype"] = "bfloat16"
+    state = EDGCState(None, _config(v1["config"]))
+    state.load_state_dict(v1)
+    model = _model(seed=1).to(torch.bfloat16)
+    model.load_state_dict(saved["weights_at_4"])
+    _steps(model, state, STEPS_BEFORE, 1, saved["lrs"], torch.bfloat16)
+    groups = state.state_dict()["compression"]["groups"]
+    assert groups and all(g["dtype"] == "bfloat16" for g in groups)
+    assert [(g["q"].dtype, g["error"].dtype) for g in groups] == [(torch.float32, torch.float32)] * len(groups)
 
 
 def _untimed(d: dict[str, Any]) -> dict[str, Any]:

@@ -115,7 +115,9 @@ class TrainConfig:
     maths is unchanged. 0: off; at most 10000."""
 
     steps: int = 300
-    """Optimiser steps."""
+    """Optimiser steps. A resume may change it: the run goes on to the new last step, its
+    cosine learning rate worked out over the new length from the next step on, the rest of
+    its schedule as the first length set it (docs/checkpoints.md)."""
 
     stop_after: int | None = None
     """Stop after this step with a checkpoint, as a time-limited job would; continue later

@@ -145,7 +145,8 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     # (before the checkpoint is read: a live run that has not reached its first checkpoint
     # step has none, and "no checkpoint" would hide that it is running)
     RunLock.check_free(checkpoint.parent)
-    saved = dict(load_checkpoint(checkpoint, trust=given.get("trust_checkpoint") is True)["train"])
+    ckpt = load_checkpoint(checkpoint, trust=given.get("trust_checkpoint") is True)
+    saved = dict(ckpt["train"])
     saved.pop("eval_batches", None)  # (runs made before eval_tokens replaced it)
     saved["trust_checkpoint"] = False  # (never kept: each resume that trusts its file says so)
     tables = table_fields(TrainConfig)
@@ -185,7 +186,31 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     if changed:
         logger.warning("resuming %s with changed options: %s", checkpoint.parent, "; ".join(changed))
     values["out"] = str(checkpoint.parent)
-    return TrainConfig.from_dict(values)
+    cfg = TrainConfig.from_dict(values)
+    if cfg.steps != saved["steps"] and cfg.steps >= 1:  # (a --steps below 1 is left to validate to refuse)
+        logger.warning("%s", _new_length_warning(dataclasses.replace(cfg, steps=saved["steps"]), cfg, ckpt["step"]))
+    return cfg
+
+
+def _new_length_warning(before: TrainConfig, after: TrainConfig, at: int) -> str:
+    """What a resume from step `at` that changes the run's length from `before.steps` to
+    `after.steps` does (the two configs otherwise the run's): the learning-rate schedule
+    is worked out over the new length from the next step on, and what the run set from its
+    first length (the learning rate's warm-up, the compression's window and warm-up) stays.
+    Not the run that `after.steps` gives from the start."""
+    old, new = before.resolve(), after.resolve()
+    if new.lr_schedule == "cosine":
+        lr = (f"the cosine learning rate is recomputed over {new.steps} steps, so step {at + 1} runs at "
+              f"{lr_at(at + 1, new):.2e} where step {at} ran at {lr_at(at, old):.2e}")
+    else:
+        lr = f'the "step" schedule\'s drops stay at steps {new.lr_drop_steps}'
+    kept = [f"the learning rate's warm-up ({new.lr_warmup_steps} steps)"]
+    if new.method not in ("none", "compute-only"):
+        edgc = EDGCConfig.from_dict(new.edgc)
+        kept += [f"the compression's window ({edgc.window} steps)", f"its warm-up (warmup_steps {edgc.warmup_steps})"]
+    return (f"resuming with --steps {new.steps} (the run's: {old.steps}): {lr}; these stay as the {old.steps}-step "
+            f"run set them: {', '.join(kept)}. This continues the run; it is not the run --steps {new.steps} gives "
+            f"from the start (start a new run for that)")
 
 
 def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: bool = False) -> Path:
