@@ -8,7 +8,8 @@
 #
 # The parts: one compression round's cost on gpt2-345m (float32) and gpt2-2.5b (bf16)
 # (benchmarks/round_cost.py), the CUDA tests (every test marked `cuda`), bf16 DDP and HSDP training over NCCL
-# with the EDGC hook through `edgc train`, our hook against torch's powerSGD_hook
+# with the EDGC hook through `edgc train`, torchtitan's trainer with edgc (2 GPUs or more),
+# our hook against torch's powerSGD_hook
 # (benchmarks/hook_vs_torch.py --device cuda) and `edgc simulate --device cuda
 # --save-profile`. Each runs under its own time limit, and a failing part does not stop the
 # next one. Everything goes into benchmarks/results/<gpu>-<YYYYMMDD>/gpu-check/ ($OUT/... when
@@ -52,7 +53,7 @@ when it is set). Exits 2 at once, writing nothing, where torch sees no CUDA GPU.
 EOF
 }
 
-PARTS="round-cost-345m round-cost-2.5b cuda-tests ddp-nccl ddp-shared-gpu hsdp-nccl hook-vs-torch simulate-2.5b simulate-12.1b"
+PARTS="round-cost-345m round-cost-2.5b cuda-tests ddp-nccl ddp-shared-gpu hsdp-nccl torchtitan hook-vs-torch simulate-2.5b simulate-12.1b"
 
 say() { printf 'gpu-check: %s\n' "$*"; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 2; }
@@ -301,6 +302,23 @@ run_parts() {
     part hsdp-nccl 60 "$dtype HSDP with EDGC, ${layout[0]} replicas x ${layout[1]} shards over NCCL" \
         "${train[@]}" --dp-replicate "${layout[0]}" --dp-shard "${layout[1]}" --out "$WORK/hsdp-nccl"
     keep_run "$WORK/hsdp-nccl" "$RES/runs/hsdp-nccl"
+
+    # torchtitan's own trainer with edgc over NCCL (docs/torchtitan.md): llama3's debug model
+    # on the built-in corpus, 2 replicas (x shards with 4 GPUs or more), 20 steps. NCCL
+    # refuses two ranks on one GPU, and edgc needs 2 replicas: it needs 2 GPUs, and the
+    # torchtitan extra (carried as wheels to a lent machine, docs/developing.md).
+    if ((GPUS >= 2)); then
+        if ((DRY_RUN)) || "$PY" -c "import torchtitan" 2>/dev/null; then
+            part torchtitan 120 "torchtitan's trainer with edgc, llama3_debugmodel, 2 replicas over NCCL" \
+                "$PY" -m torch.distributed.run --nproc-per-node "$GPUS" -m torchtitan.train \
+                --module edgc.integrations.torchtitan --config llama3_debugmodel \
+                --parallelism.data-parallel-replicate-degree 2 --training.steps 20 --dump-folder "$WORK/torchtitan"
+        elif selected torchtitan; then
+            say "torchtitan: not run: torchtitan is not installed (pip install 'edgc[torchtitan]', or carry its wheels)"
+        fi
+    elif selected torchtitan && [[ -n $ONLY ]]; then
+        say "torchtitan: not run: edgc needs 2 replicas, so 2 GPUs ($GPUS here)"
+    fi
 
     # Our hook against torch's powerSGD_hook: the command of the CPU page
     # (benchmarks/results/cpu-20261122/hook-vs-torch.md), on the GPU.

@@ -25,9 +25,21 @@ the replicate group and the decisions agreed over the whole mesh, so every shard
 compresses at the same rank. Padding rows are zero in every replica's gradient and stay
 zero through P, Q and the error feedback.
 
+Units of several modules. `fully_shard([norm, head])` (or tied weights, `[emb, head]`)
+makes one FSDP state, one parameter group and one hook for the modules it names: edgc
+hooks such a unit once, named "norm+head".
+
+Gradient scale. The replicas' gradients are averaged (`reduce="mean"`), as native HSDP
+does with FSDP's default divide factor; `reduce="sum"` sums them, as native HSDP does after
+`set_gradient_divide_factor(1.0)` (torchtitan, which divides its loss by the global token
+count): the average is compressed and sent, then multiplied by the number of replicas.
+
 Tensor parallelism. A model split with torch's `parallelize_module` on a "tp" dimension of
 the same mesh, ("replicate", "shard", "tp"), then sharded on mesh["shard"], is registered
-with the 2-D slice, `register_edgc(model, mesh["replicate", "shard"], config)`. FSDP then
+with the 2-D slice, `register_edgc(model, mesh["replicate", "shard"], config)`. Where the
+meshes were unflattened from a 1-D world mesh (torchtitan's), the TP dimension is read off
+a split parameter's own mesh instead, and the stage's processes are joined with one
+all_gather_object at registration. FSDP then
 hands the hook each TP rank's local shards, and each is compressed over that TP rank's own
 replicate group (no gradient crosses TP ranks). The decisions are agreed over the stage's
 replicate x shard x tp group (built here by every process, for every stage, in one order).

@@ -86,7 +86,7 @@ def install() -> None:
 
 def record(out: str) -> None:
     """What the tests read back, written to `out`/rank<R>.json when the trainer closes:
-    each logged step's loss, edgc's stats (with edgc), this process's coordinates on the
+    each logged step's loss and validation loss, edgc's stats (with edgc), this process's coordinates on the
     dp_replicate, fsdp and tp dimensions, and a digest of its parameter shards (equal on
     two replicas only if every shard is bit-identical)."""
     import dataclasses
@@ -106,6 +106,14 @@ def record(out: str) -> None:
         log(self, step, loss, *args, **kwargs)
 
     MetricsProcessor.log = log_and_record  # type: ignore[method-assign]
+    validation: dict[int, float] = {}
+    log_validation = MetricsProcessor.log_validation
+
+    def log_validation_and_record(self: Any, loss: float, step: int, *args: Any, **kwargs: Any) -> None:
+        validation[step] = loss
+        log_validation(self, loss, step, *args, **kwargs)
+
+    MetricsProcessor.log_validation = log_validation_and_record  # type: ignore[method-assign]
     close = Trainer.close
 
     def close_and_record(self: Any) -> None:
@@ -119,8 +127,8 @@ def record(out: str) -> None:
         state = getattr(self, "edgc_state", None)
         stats = None if state is None else {k: v for k, v in dataclasses.asdict(state.stats()).items()
                                             if isinstance(v, (int, str)) or v == v}
-        record = {"losses": losses, "coords": coords, "digest": digest.hexdigest(), "edgc": stats,
-                  "step": self.step}
+        record = {"losses": losses, "validation": validation, "coords": coords, "digest": digest.hexdigest(),
+                  "edgc": stats, "step": self.step}
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
         close(self)

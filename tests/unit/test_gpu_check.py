@@ -23,7 +23,10 @@ from edgc.train.config import TrainConfig
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 PARTS = ["round-cost-345m", "round-cost-2.5b", "cuda-tests", "ddp-nccl",  # (in the order they run)
-         "ddp-shared-gpu", "hsdp-nccl", "hook-vs-torch", "simulate-2.5b", "simulate-12.1b"]
+         "ddp-shared-gpu", "hsdp-nccl", "torchtitan", "hook-vs-torch", "simulate-2.5b", "simulate-12.1b"]
+#: the parts a machine of one GPU runs, and those of several
+ONE_GPU = [p for p in PARTS if p != "torchtitan"]
+SEVERAL = [p for p in PARTS if p != "ddp-shared-gpu"]
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -98,7 +101,7 @@ def test_docs_list_its_parts_and_their_limits():
     for names, limit in re.findall(r"^\| (`[^|]+) \|.*\| (\d+) s(?: each)? \|$", section, re.M):
         for name in re.findall(r"`([^`]+)`", names):
             documented[name] = int(limit)
-    limits = {name: int(line.split("\t")[1]) for name, line in _plan_lines(1).items()}
+    limits = {name: int(line.split("\t")[1]) for gpus in (1, 2) for name, line in _plan_lines(gpus).items()}
     assert documented == limits
 
 
@@ -114,7 +117,7 @@ def _benchmark_parser(name: str) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("gpus", [1, 2, 4])
 def test_every_command_it_runs_parses_with_todays_options(gpus, monkeypatch):
     plan = _plan(gpus)
-    assert list(plan) == [p for p in PARTS if gpus == 1 or p != "ddp-shared-gpu"]
+    assert list(plan) == (ONE_GPU if gpus == 1 else SEVERAL)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (validate() asks for a GPU)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     for name, argv in plan.items():
@@ -133,6 +136,10 @@ def test_every_command_it_runs_parses_with_todays_options(gpus, monkeypatch):
                 assert cfg.hsdp == name.startswith("hsdp")
             else:
                 assert args.command == "simulate" and args.device == "cuda" and args.save_profile
+        elif argv[1:3] == ["-m", "torch.distributed.run"]:  # (its config: tests/unit/test_torchtitan_config.py)
+            assert name == "torchtitan" and argv[argv.index("--nproc-per-node") + 1] == str(gpus)
+            assert argv[5:9] == ["-m", "torchtitan.train", "--module", "edgc.integrations.torchtitan"], argv
+            assert argv[argv.index("--parallelism.data-parallel-replicate-degree") + 1] == "2"
         elif argv[1] == "benchmarks/hook_vs_torch.py":
             assert _benchmark_parser("hook_vs_torch").parse_args(argv[2:]).device == "cuda"
         elif argv[1] == "benchmarks/round_cost.py":
@@ -201,7 +208,7 @@ def test_parts_are_timed_logged_and_reported_whatever_each_does(tmp_path):
     assert "hook-vs-torch (timed out after 5 s)" in done.stdout and "simulate-12.1b (failed)" in done.stdout
     readme = (res / "README.md").read_text()
     rows = {m[0]: m[1:] for m in re.findall(r"^\| `([^`]+)` \| [^|]+ \| ([^|]+) \| ([^|]+) \|", readme, re.M)}
-    assert list(rows) == PARTS
+    assert list(rows) == ONE_GPU
     assert rows["ddp-nccl"] == ("passed", "0") and rows["simulate-2.5b"] == ("passed", "0")
     assert rows["hook-vs-torch"] == ("**timed out after 5 s**", "124")
     assert rows["simulate-12.1b"] == ("**failed**", "3")

@@ -4,6 +4,9 @@
   (`pip install "edgc[lightning]"`).
 - `edgc.integrations.hf`: `EDGCTrainerCallback` for the Trainer from transformers, and
   `register_edgc` for an Accelerate `Accelerator` (`pip install "edgc[hf]"`).
+- `edgc.integrations.torchtitan`: torchtitan's trainer with its HSDP replicate sync through
+  `edgc.fsdp` (`--module edgc.integrations.torchtitan`, `with_edgc`;
+  `pip install "edgc[torchtitan]"`).
 
 Each adapter does what a user would otherwise write by hand: register edgc_hook once
 the process group and the DDP wrapper exist, keep every replica's EDGC state in the

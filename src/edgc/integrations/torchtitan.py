@@ -37,7 +37,7 @@ mesh under expert parallelism, on which FSDP2 takes no all-reduce hook; without 
 stacked expert weight would be compressed as one matrix, not one per expert), the
 chunked loss (`_CHUNKED`: with_edgc replaces it by its inner loss), a run without replicas to sync
 (`--parallelism.data-parallel-replicate-degree` 1), an SPMD backend other than
-"partial_dtensor", and any invalid edgc setting (`max_rank` None included: calibration
+"partial_dtensor", CUDA graphs, and any invalid edgc setting (`max_rank` None included: calibration
 is not built for FSDP).
 """
 
@@ -230,6 +230,9 @@ def _layout_refusal(config: Any) -> str | None:
                 "all-reduce hook, and without it each stacked [experts, out, in] weight would be compressed as one "
                 "(experts, out x in) matrix instead of one matrix per expert (edgc.moe does that, under edgc "
                 "train --ep)")
+    if not config.training.disable_cuda_graphs:
+        return ("CUDA graphs would replay one captured step, and edgc's hook decides on the host at every step "
+                "(its phase, rank and window): give --training.disable-cuda-graphs (with_edgc sets it)")
     p = config.parallelism
     if p.spmd_backend != "partial_dtensor":
         return (f"--parallelism.spmd-backend {p.spmd_backend} is not supported: edgc hooks FSDP2's all-reduce on a "
@@ -245,7 +248,7 @@ def _layout_refusal(config: Any) -> str | None:
             return f"--parallelism.{flag} {degree}: {why}"
     if p.data_parallel_replicate_degree < 2:
         return ("--parallelism.data-parallel-replicate-degree is 1: edgc compresses the all-reduce across replicas, "
-                "and there is none; give it 2 or more (HSDP), or --edgc.enable false")
+                "and there is none; give it 2 or more (HSDP), or --edgc.no-enable")
     return None
 
 
@@ -373,8 +376,9 @@ def with_edgc(config: Any, **settings: Any) -> EDGCTrainer.Config:
     replicate sync compressed by edgc with `settings` (EDGCConfig fields, sections flat or
     as tables; what is not given is the run's default: max_rank 32, the window and warm-up
     scaled to --training.steps). Also sets the SPMD backend edgc needs (partial_dtensor),
-    the chunked loss's inner loss in its place (`_CHUNKED`), and the built-in corpus in
-    place of torchtitan's test assets. Raises TypeError for a
+    no CUDA graphs (edgc's hook decides on the host each step), the chunked loss's inner
+    loss in its place (`_CHUNKED`), and the built-in corpus in place of torchtitan's test
+    assets. Raises TypeError for a
     config of another trainer class, ValueError naming an invalid setting."""
     if type(config) is not Trainer.Config:
         raise TypeError(f"with_edgc takes torchtitan's Trainer.Config; got {type(config).__name__} (a trainer of "
@@ -386,6 +390,7 @@ def with_edgc(config: Any, **settings: Any) -> EDGCTrainer.Config:
         raise ValueError(f"with_edgc: no edgc setting(s) {unknown}; known: {sorted(known)}")
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
     values["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
+    values["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
     if isinstance(values["loss"], ChunkedLossWrapper.Config):  # (one sync per unit and step: see _chunked)
         values["loss"] = values["loss"].loss_fn
     _builtin_data(values)

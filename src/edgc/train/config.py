@@ -370,7 +370,7 @@ class TrainConfig:
                 f"make it with: edgc prepare TEXT_FILES_OR_FOLDERS --out {self.data}"
             )
         for table in ("edgc", "expert_edgc"):
-            if "total_steps" in getattr(self, table):
+            if getattr(self, table).get("total_steps") is not None:
                 bad(table, "total_steps is the run's --steps here; the run scales the window and warm-up to it")
         self.edgc_config()  # raises ValueError naming the EDGCConfig field
         self.dac_config()
