@@ -74,7 +74,7 @@ def test_hsdp_warm_up_equals_native_then_compresses_with_replicas_identical(home
     """2 replicas x 2 shards: with the gradient's dtype on the wire, the warm-up's losses
     equal native HSDP's bit for bit (so the sum over replicas is torchtitan's); the steps
     after it are compressed, send fewer bytes, and the replicas stay identical."""
-    steps = 12  # (the same in both: the learning rate's schedule follows it)
+    steps = 20  # (the same in both: the learning rate's schedule follows it)
     native = titan(home, tmp_path / "native", "--training.steps", str(steps), "--edgc.no-enable")
     assert all(r["edgc"] is None for r in native)
     edgc = titan(home, tmp_path / "edgc", "--training.steps", str(steps), "--edgc.wire", "native",
