@@ -1,0 +1,48 @@
+"""edgc.diloco.DiLoCo on 2 and 4 gloo processes, through its own door: a user's loop."""
+
+import pytest
+
+import diloco_workers
+from harness import run_workers
+
+pytestmark = pytest.mark.slow
+
+#: edgc's core on the pseudo-gradient: a short warm-up and window, counted in outer steps
+EDGC = dict(max_rank=4, min_rank=2, window=2, warmup="fixed", warmup_steps=1, min_compression_rate=1.0,
+            iteration_sample_rate=1.0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("compression", [None, EDGC], ids=["diloco", "edgc-diloco"])
+def test_replicas_hold_the_same_weights_after_every_outer_step(world, compression):
+    out = run_workers(diloco_workers.train, world, 5, 20, compression, timeout=180)
+    assert sorted(out[0]["digests"]) == [5, 10, 15, 20]
+    for r in out[1:]:
+        assert r["digests"] == out[0]["digests"]
+    assert len({r["final"] for r in out}) == 1
+    stats = out[0]["stats"]
+    whole = 4 * sum(p.numel() for p in diloco_workers._model().parameters())  # (float32 bytes, one sync)
+    assert stats.step == 20 and stats.bytes_uncompressed == 20 * whole
+    if compression is None:
+        assert stats.bytes_sent == 4 * whole  # (1/H of DDP's bytes)
+    else:
+        assert stats.compressed_steps == 3 and 0 < stats.bytes_sent < 4 * whole
+
+
+@pytest.mark.parametrize("compression", [None, EDGC], ids=["diloco", "edgc-diloco"])
+def test_a_run_resumed_mid_phase_equals_the_uninterrupted_one(compression):
+    """Stopped after 12 inner steps (H = 5: two into the third phase), each replica's model,
+    optimiser and DiLoCo state restored: the rest is bit for bit the uninterrupted run's."""
+    whole = run_workers(diloco_workers.train, 2, 5, 20, compression, 12, timeout=180)
+    saves = [r["saved"] for r in whole]
+    resumed = run_workers(diloco_workers.train, 2, 5, 20, compression, None, saves, timeout=180)
+    for a, b in zip(whole, resumed, strict=True):
+        assert b["losses"] == a["losses"][12:]
+        assert b["digests"] == {k: v for k, v in a["digests"].items() if k > 12}
+        assert b["final"] == a["final"]
+        assert _untimed(a["stats"]) == _untimed(b["stats"])
+
+
+def _untimed(stats):
+    """The stats without their timings, NaN as None (NaN equals nothing)."""
+    return {k: None if v != v else v for k, v in vars(stats).items() if not k.endswith("_seconds")}
