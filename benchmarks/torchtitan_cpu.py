@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,19 +37,19 @@ SHIM = ROOT / "tests" / "distributed" / "titan_shim.py"
 METHODS = {"native": ["--edgc.no-enable"], "edgc": []}
 
 
-def run(method: str, steps: int, out: Path, home: Path) -> dict:
-    """One torchtitan run; returns rank 0's record, its seconds and its command."""
+def run(method: str, steps: int, work: Path, home: Path) -> dict:
+    """One torchtitan run, its dump folder in `work`; returns rank 0's record, its seconds
+    and its command."""
     sys.path.insert(0, str(SHIM.parent))
     from titan_shim import CPU_FLAGS
 
-    record = out / method / "record"
-    shutil.rmtree(out / method, ignore_errors=True)
+    record = work / method / "record"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(SHIM),
            "--module", "edgc.integrations.torchtitan", "--config", "llama3_debugmodel", *CPU_FLAGS,
            "--training.seq-len", "128", "--training.local-batch-size", "2", "--training.steps", str(steps),
            "--parallelism.data-parallel-replicate-degree", "2", "--debug.seed", "0",
            "--validator.enable", "--validator.freq", str(steps), "--validator.steps", "20",
-           "--metrics.log-freq", "1", "--metrics.disable-color-printing", "--dump-folder", str(out / method),
+           "--metrics.log-freq", "1", "--metrics.disable-color-printing", "--dump-folder", str(work / method),
            *METHODS[method]]
     start = time.perf_counter()
     env = {**os.environ, "EDGC_TITAN_RECORD": str(record), "OMP_NUM_THREADS": "1"}
@@ -56,9 +57,7 @@ def run(method: str, steps: int, out: Path, home: Path) -> dict:
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         sys.exit(f"{method} failed:\n{done.stderr[-6000:]}")
-    (out / method / "log.txt").write_text(done.stdout + done.stderr)
     got = json.loads((record / "rank0.json").read_text())
-    shutil.rmtree(record)
     return {"record": got, "seconds": seconds, "command": " ".join(cmd[cmd.index("--module"):])}
 
 
@@ -70,7 +69,11 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {m: run(m, args.steps, args.out, args.home) for m in METHODS}
+    work = Path(tempfile.mkdtemp(prefix="torchtitan-cpu-"))  # (the runs' dump folders: not kept)
+    try:
+        results = {m: run(m, args.steps, work, args.home) for m in METHODS}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     tail = max(1, args.steps // 10)
     rows = {}
     for method, r in results.items():

@@ -127,6 +127,9 @@ def check_compatible(ckpt: dict[str, Any], *, world_size: int, preset: str, meth
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run of "
                         "torch-powersgd resumes only on the replicas it was saved on: torch keeps its error "
                         "feedback per DDP bucket)")
+    if ckpt["world_size"] != world_size and resizable and method in ("diloco", "edgc-diloco"):
+        problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a DiLoCo run resumes "
+                        "only on the replicas it was saved on: each holds its own weights between outer steps)")
     if ckpt["world_size"] != world_size and not resizable:
         problems.append(f"world size: checkpoint {ckpt['world_size']}, this job {world_size} (a run resumes on "
                         "another number of replicas only, with the same pipeline stages, shards and TP ranks)")

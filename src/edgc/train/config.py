@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -17,9 +18,11 @@ from edgc.policy.dac import DACConfig
 from edgc.train.config_file import check_folder_path, load_config_file
 from edgc.train.layout_checks import check_expert_layout, check_tp_layout, expert_config
 
-__all__ = ["METHODS", "TrainConfig", "load_config_file", "process_group_backend"]
+__all__ = ["DILOCO_METHODS", "METHODS", "TrainConfig", "load_config_file", "process_group_backend"]
 
-METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only")
+METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only", "diloco", "edgc-diloco")
+#: The methods that sync every H steps (edgc.diloco), not every step.
+DILOCO_METHODS = ("diloco", "edgc-diloco")
 SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -54,6 +57,8 @@ class TrainConfig:
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "model and gradient sync": ("preset", "method", "rank", "bucket_cap_mb", "device", "dtype", "compile",
                                     "emulated_device_ms"),
+        "DiLoCo (--method diloco or edgc-diloco)": ("diloco_inner_steps", "diloco_outer_lr",
+                                                    "diloco_outer_momentum"),
         "workers and parallel layout": ("nproc", "dp_shard", "dp_replicate", "tp", "ep", "ep_wire",
                                         "sequence_parallel", "vocab_parallel", "pp", "dp", "schedule", "microbatches",
                                         "sync_after_send", "activation_rank"),
@@ -81,10 +86,23 @@ class TrainConfig:
 
     method: str = "edgc"
     """Gradient sync: "none" (plain all-reduce), "powersgd" (our compressor, static rank),
-    "torch-powersgd" (PyTorch's own hook, made safe for gloo) or "edgc". "compute-only"
-    syncs nothing, so the replicas drift apart: not a way to train, but the step time
-    without communication that `edgc bench train` subtracts to measure the others'
-    exposed communication."""
+    "torch-powersgd" (PyTorch's own hook, made safe for gloo) or "edgc". "diloco" syncs
+    every `diloco_inner_steps` steps instead: the weights' change averaged, then an outer
+    Nesterov step (edgc.diloco); "edgc-diloco" sends that change through edgc's compressor.
+    "compute-only" syncs nothing, so the replicas drift apart: not a way to train, but the
+    step time without communication that `edgc bench train` subtracts to measure the
+    others' exposed communication."""
+
+    diloco_inner_steps: int | None = None
+    """H, the local steps between DiLoCo's syncs. None: steps // 100, at least 1: about 100
+    outer steps a run, for the outer momentum (0.9: a horizon of about 10 outer steps) to
+    work over, as the paper's 88,000-step runs at H = 500 had 176."""
+
+    diloco_outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7), > 0."""
+
+    diloco_outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9), in [0, 1); 0: plain SGD."""
 
     nproc: int | None = None
     """Local workers started by `edgc train` (ignored under torchrun, which sets the world).
@@ -369,6 +387,7 @@ class TrainConfig:
                 f"data={self.data!r}: no prepared data there (expected meta.json, train.bin, val.bin); "
                 f"make it with: edgc prepare TEXT_FILES_OR_FOLDERS --out {self.data}"
             )
+        self._check_diloco(bad)  # (before edgc_config, which counts edgc-diloco's outer steps)
         for table in ("edgc", "expert_edgc"):
             if getattr(self, table).get("total_steps") is not None:
                 bad(table, "total_steps is the run's --steps here; the run scales the window and warm-up to it")
@@ -449,6 +468,28 @@ class TrainConfig:
             steps.append(int(part))
         return steps
 
+    def _check_diloco(self, bad: Any) -> None:
+        """DiLoCo's settings, and the layouts it serves (one process per replica)."""
+        h = self.diloco_inner_steps
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
+            bad("diloco_inner_steps", "must be an integer >= 1 or null (steps // 100)")
+        if not (math.isfinite(self.diloco_outer_lr) and self.diloco_outer_lr > 0):
+            bad("diloco_outer_lr", "must be a finite number > 0 (the paper's 0.7)")
+        if not 0 <= self.diloco_outer_momentum < 1:
+            bad("diloco_outer_momentum", "must be in [0, 1) (the paper's 0.9)")
+        if self.method not in DILOCO_METHODS:
+            return
+        for name, on in (("pp", self.pp > 1), ("tp", self.tp > 1), ("dp_shard", self.hsdp), ("ep", self.ep > 1)):
+            if on:
+                bad(name, f"--method {self.method} runs one process per replica: pipelines, tensor parallelism, "
+                          "FSDP2/HSDP and expert parallelism are not built for DiLoCo")
+        if self.dtype == "fp16":
+            bad("dtype", f"--method {self.method} does not take fp16's GradScaler yet; use bf16 or fp32")
+
+    def resolved_inner_steps(self) -> int:
+        """DiLoCo's H: as given, else steps // 100 (at least 1)."""
+        return self.diloco_inner_steps if self.diloco_inner_steps is not None else max(1, self.steps // 100)
+
     def resolved_device(self) -> str:
         """"cpu" or "cuda": `device`, with "auto" decided by whether a GPU is visible."""
         if self.device == "auto":
@@ -528,6 +569,8 @@ class TrainConfig:
             c.min_lr = c.lr / 10
         if c.lr_warmup_steps is None:
             c.lr_warmup_steps = c.resolved_lr_warmup_steps()
+        if c.method in DILOCO_METHODS and c.diloco_inner_steps is None:
+            c.diloco_inner_steps = c.resolved_inner_steps()  # (kept: a resume with new --steps keeps H)
         if c.eval_every is None:
             c.eval_every = max(1, c.steps // 6)
         if c.checkpoint_every is None:
@@ -559,7 +602,7 @@ class TrainConfig:
             "max_rank": self.rank,
             # (the rule EDGCConfig(total_steps=...) follows; an invalid window is left for
             # EDGCConfig to reject by name)
-            **run_scaled(self.steps, self.edgc.get("window")),
+            **run_scaled(self.sync_steps(), self.edgc.get("window")),
             "seed": self.seed,
             # a pipeline stage syncs after its backward pass and sends (edgc.comm.pipeline):
             # there is nothing to overlap, and whole steps keep its DAC timings whole
@@ -571,10 +614,16 @@ class TrainConfig:
         values.update(self.edgc)
         if values.get("warmup", EDGCConfig().warmup) == "gradient" and "warmup_min_steps" not in self.edgc:
             # compression starts once the learning rate has stopped rising
-            lr_warmup = self.resolved_lr_warmup_steps()
+            lr_warmup = self.resolved_lr_warmup_steps() // (self.resolved_inner_steps()
+                                                             if self.method in DILOCO_METHODS else 1)
             most = values["warmup_steps"]
             values["warmup_min_steps"] = min(lr_warmup, most) if isinstance(most, int) and most >= 0 else 0
         return EDGCConfig.from_dict(values)
+
+    def sync_steps(self) -> int:
+        """The syncs of the run: its steps, or with DiLoCo its outer steps (steps // H, at
+        least 1), which edgc-diloco's window and warm-up count."""
+        return max(1, self.steps // self.resolved_inner_steps()) if self.method in DILOCO_METHODS else self.steps
 
     def expert_edgc_config(self) -> EDGCConfig:
         """The EDGCConfig of the experts' core: the run's (`edgc_config`) with the

@@ -42,9 +42,9 @@ from edgc.comm.baselines import (
 )
 from edgc.config import EDGCConfig
 from edgc.train.common import load_plain_weights
-from edgc.train.config import TrainConfig
+from edgc.train.config import DILOCO_METHODS, TrainConfig
 
-__all__ = ["DataParallel", "clip_grads", "data_parallel", "replica_bytes"]
+__all__ = ["DataParallel", "DiLoCoRun", "clip_grads", "data_parallel", "replica_bytes"]
 
 
 @dataclass
@@ -86,7 +86,7 @@ def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
     if cfg.method == "none":
         state: Any = AllReduceState(None)
         ddp.register_comm_hook(state, allreduce_hook)
-    elif cfg.method == "compute-only":
+    elif cfg.method in ("compute-only", *DILOCO_METHODS):  # (DiLoCo syncs every H steps: DiLoCoRun)
         state = NoSyncState(None)
         ddp.register_comm_hook(state, no_sync_hook)
     elif cfg.method == "torch-powersgd":
@@ -98,6 +98,44 @@ def _attach_hook(cfg: TrainConfig, ddp: DDP) -> Any:
         state = EDGCState(None, EDGCConfig(**cfg.edgc))
         ddp.register_comm_hook(state, edgc_hook)
     return state
+
+
+class DiLoCoRun:
+    """--method diloco and edgc-diloco: edgc.diloco.DiLoCo over the replica's plain model,
+    as the training loop's sync state. The DDP wrapper syncs nothing (no_sync_hook); this
+    syncs every H steps (`step()` after each optimiser step). Its state holds this
+    replica's own model and optimiser besides DiLoCo's (θ, the outer momentum, the
+    compression state): between outer steps the replicas' weights differ, and a resume in
+    the middle of an inner phase needs each one's."""
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        from edgc.diloco import DiLoCo
+
+        self.model, self.opt = model, opt
+        compression = cfg.edgc_config() if cfg.method == "edgc-diloco" else None
+        self.diloco = DiLoCo(model, opt, None, inner_steps=cfg.resolved_inner_steps(), outer_lr=cfg.diloco_outer_lr,
+                             outer_momentum=cfg.diloco_outer_momentum, compression=compression)
+
+    def step(self) -> bool:
+        return self.diloco.step()
+
+    def stats(self) -> Any:
+        return self.diloco.stats()
+
+    def set_learning_rate(self, lr: float) -> None:
+        if self.diloco.sync is not None:
+            self.diloco.sync.set_learning_rate(lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"diloco": self.diloco.state_dict(), "model": self.model.state_dict(),
+                "optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if not isinstance(d, dict) or "diloco" not in d:
+            raise ValueError("this checkpoint's sync state is not a DiLoCo run's: resume it with the method it ran")
+        self.model.load_state_dict(d["model"])
+        self.opt.load_state_dict(d["optimizer"])
+        self.diloco.load_state_dict(d["diloco"])
 
 
 def _hsdp(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) -> DataParallel:

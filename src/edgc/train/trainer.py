@@ -54,13 +54,13 @@ from edgc.train.common import (
     tell_learning_rate,
     window_signals,
 )
-from edgc.train.config import TrainConfig, process_group_backend
+from edgc.train.config import DILOCO_METHODS, TrainConfig, process_group_backend
 from edgc.train.emulate import emulate_device_time
 from edgc.train.evaluation import EvalResult, LossMoments, block_losses, eval_batches, eval_starts, write_evaluation
 from edgc.train.experts import expert_digests, expert_record, expert_stats
 from edgc.train.launch import WorkerError, die_with_parent, end_process_group, report_step, run_local
 from edgc.train.metrics import MetricsWriter
-from edgc.train.parallel import DataParallel, clip_grads, data_parallel, replica_bytes
+from edgc.train.parallel import DataParallel, DiLoCoRun, clip_grads, data_parallel, replica_bytes
 from edgc.train.progress import ProgressDisplay
 from edgc.train.runfolder import RunLock, check_new_run, clean_leftovers
 from edgc.train.summary import write_summary
@@ -439,9 +439,12 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
         compile_blocks(model.h)
     emulate_device_time(model.h, cfg.emulated_device_ms)
     run = data_parallel(cfg, model, device, world)
-    hook_state = run.state
     precision = Precision(cfg.dtype, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
+    diloco = cfg.method in DILOCO_METHODS
+    if diloco:  # (the DDP wrapper syncs nothing; DiLoCo syncs every H steps)
+        run.state = DiLoCoRun(cfg, model, opt)
+    hook_state = run.state
     # this replica's batches: the same on every TP rank of a replica (TP is innermost)
     replicas, replica = world // run.tp, rank // run.tp
     stream = BatchStream(train_tokens, cfg.batch_size, cfg.block_size, seed=cfg.seed, sequences=replicas)
@@ -500,6 +503,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             precision.scaler.update()  # (fp16: a smaller scale after inf/nan)
             precision.tell(hook_state)
             opt.zero_grad(set_to_none=True)
+            if diloco:
+                hook_state.step()  # (every H-th step: the outer step, a collective)
             if use_cuda:
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
