@@ -58,7 +58,9 @@ def run(method: str, steps: int, work: Path, home: Path) -> dict:
     if done.returncode != 0:
         sys.exit(f"{method} failed:\n{done.stderr[-6000:]}")
     got = json.loads((record / "rank0.json").read_text())
-    return {"record": got, "seconds": seconds, "command": " ".join(cmd[cmd.index("--module"):])}
+    shown = cmd[cmd.index("--module"):]
+    at = shown.index("--dump-folder")
+    return {"record": got, "seconds": seconds, "command": " ".join(shown[:at] + shown[at + 2:])}
 
 
 def main() -> None:

@@ -136,12 +136,13 @@ def parse_ranks(text: str, r_max: int) -> list[int]:
     return ranks
 
 
-def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None
+def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None, diloco: list[int] | None = None
           ) -> list[tuple[str, str, int | None, list[str]]]:
     """(run name, kind, rank, `edgc train` arguments) for every run of the sweep. A policy
     spec is a name, "schedule=STEP:RANK,...", or a name with EDGCConfig fields for its run
     in brackets ("noise[noise_exponent=0.5]": run "edgc-noise-noise_exponent-0.5").
-    `ranks`: the static ranks (default `static_ranks(r_max)`)."""
+    `ranks`: the static ranks (default `static_ranks(r_max)`). `diloco`: the H of a DiLoCo
+    run and an edgc-diloco run each ("diloco-h20", "edgc-diloco-h20": edgc.diloco)."""
     runs: list[tuple[str, str, int | None, list[str]]] = [("none", "none", None, ["--method", "none"])]
     for r in ranks or static_ranks(r_max):
         runs.append((f"powersgd-r{r}", "static", r, ["--method", "powersgd", "--rank", str(r)]))
@@ -160,16 +161,21 @@ def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None
         name = "-".join([f"edgc-{policy}", *(f"{f}-{v}" for f, v in settings)])
         args = ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy, *extra]
         runs.append((name, "dynamic", r_max, args))
+    for h in diloco or ():
+        runs.append((f"diloco-h{h}", "diloco", None, ["--method", "diloco", "--diloco-inner-steps", str(h)]))
+        runs.append((f"edgc-diloco-h{h}", "edgc-diloco", r_max,
+                     ["--method", "edgc-diloco", "--rank", str(r_max), "--diloco-inner-steps", str(h)]))
     names = [name for name, *_ in runs]
     if len(names) != len(set(names)):
-        raise ValueError(f"--policies names a run twice: {names}")
+        raise ValueError(f"--policies or --diloco names a run twice: {names}")
     return runs
 
 
 def _wire(config: dict, kind: str) -> str:
     """What a run's sums travelled in: EDGCConfig.wire, "native" for torch's hook, "-" for none."""
     edgc = config.get("edgc") or {}
-    return "-" if kind == "none" else str(edgc.get("wire", "native")) if kind in ("static", "dynamic") else "native"
+    compressed = ("static", "dynamic", "edgc-diloco")
+    return "-" if kind == "none" else str(edgc.get("wire", "native")) if kind in compressed else "native"
 
 
 def _point(name: str, kind: str, rank: int | None, run_dir: Path, target: float | None) -> ParetoPoint:
@@ -299,6 +305,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the static ranks that draw the frontier, r_max among them (default: r_max/8, r_max/4, "
                         "r_max/2, r_max); more ranks between them draw it closer, e.g. 8,16,24,32 (default: "
                         "the powers of two)")
+    p.add_argument("--diloco", default="", metavar="H,H,...",
+                   help="also a DiLoCo run and an edgc-diloco run at each of these inner steps H (e.g. 5,20,50: "
+                        "diloco-h5, edgc-diloco-h5, ...; edgc.diloco) (default: none)")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")
@@ -329,7 +338,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seeds {args.seeds} sets every run's seed (1337, 1338, ...); "
                          "leave --seed out of the edgc train options")
     ranks = parse_ranks(args.static_ranks, args.rank) if args.static_ranks else None
-    runs = sweep(args.rank, split_policies(args.policies), ranks)
+    try:
+        diloco = [int(h) for h in args.diloco.split(",") if h.strip()]
+    except ValueError:
+        raise ValueError(f"--diloco {args.diloco!r}: give inner steps as integers separated by ','") from None
+    if any(h < 1 for h in diloco):
+        raise ValueError(f"--diloco {args.diloco!r}: every H must be at least 1")
+    runs = sweep(args.rank, split_policies(args.policies), ranks, diloco)
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     unknown = skip - {name for name, *_ in runs}
     if unknown or f"powersgd-r{args.rank}" in skip:
@@ -495,6 +510,14 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
                 + (", as this run's" if wire == frontier_wire else f"; this run's is {wire}: not the same wire")
                 + f"): {on_bytes.describe()} (loss vs bytes), {on_time.verdict} (loss vs time)."
             )
+    for name, pts in runs.items():  # (edgc-diloco against DiLoCo at the same H)
+        twin = runs.get(name.removeprefix("edgc-")) if pts[0].kind == "edgc-diloco" else None
+        if twin is None:
+            continue
+        vs = _pairs(pts, twin)
+        sent = statistics.fmean(p.bytes for p in pts) / statistics.fmean(p.bytes for p in twin)
+        notes.append(f"- {name} against {twin[0].name}: {sent:.3f}x its bytes; final loss {_cell(vs)} "
+                     "(the difference, paired).")
     rule = ("the margin is the larger of the gap's paired SE and its seed SE (the seeds' spread over "
             f"√{n})" if n > 1 else "the margin is the gap's paired SE over the validation blocks (one seed: the "
             "verdict is this seed's; --seeds puts the seeds' spread in the margin)")
@@ -532,7 +555,7 @@ def plot_pareto(points: list[ParetoPoint], out_dir: Path) -> list[Path]:
             for p in statics:
                 ax.annotate(f"r{p.rank}", (getattr(p, axis) * scale, p.val_loss), textcoords="offset points",
                             xytext=(4, 4), fontsize=8)
-        markers = {"none": "s", "torch": "^", "dynamic": "*"}
+        markers = {"none": "s", "torch": "^", "dynamic": "*", "diloco": "D", "edgc-diloco": "P"}
         for p in points:
             if p.kind == "static":
                 continue

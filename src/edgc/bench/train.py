@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import platform
+import re
 import shlex
 import time
 from pathlib import Path
@@ -64,6 +65,10 @@ def _method_args(spec: str, rank: int, layout: tuple[int, int] | None = None) ->
         if spec not in hsdp_table:
             raise ValueError(f"unknown method {spec!r}; the HSDP ones are {sorted(hsdp_table)}")
         return spec, hsdp_table[spec] + hsdp
+    diloco = re.fullmatch(r"(edgc-)?diloco-h([1-9][0-9]*)", spec)
+    if diloco:  # DiLoCo every H steps, whole or through edgc's core (edgc.diloco)
+        return spec, ["--method", "edgc-diloco" if diloco[1] else "diloco", "--rank", str(rank),
+                      "--diloco-inner-steps", diloco[2]]
     r_min = max(1, rank // 4)
     table = {
         "none": ["--method", "none"],
@@ -85,8 +90,8 @@ def _method_args(spec: str, rank: int, layout: tuple[int, int] | None = None) ->
     base = spec.removesuffix(WHOLE_STEP)
     ours = [name for name in table if name.startswith(("powersgd", "edgc"))]
     if base not in table or (base != spec and base not in ours):
-        raise ValueError(f"unknown method {spec!r}; choose from {sorted(table)}, or one of {sorted(ours)} "
-                         f"with {WHOLE_STEP!r} appended")
+        raise ValueError(f"unknown method {spec!r}; choose from {sorted(table)}, diloco-hH or edgc-diloco-hH (H "
+                         f"inner steps), or one of {sorted(ours)} with {WHOLE_STEP!r} appended")
     return spec, table[base] + (["--edgc-sync-mode", "whole-step"] if base != spec else [])
 
 
