@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra (Python 3.11+)")
 
-from titan_shim import CPU_FLAGS  # noqa: E402
+from titan_shim import CPU_FLAGS
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,8 @@ def _help() -> str:
 def test_train_help_reads_as_a_manual():
     text = _help()
     # choices, defaults and docstrings
-    assert "--method {none,powersgd,torch-powersgd,edgc,compute-only} Gradient sync:" in text
+    assert "--method {none,powersgd,torch-powersgd,edgc,compute-only,diloco,edgc-diloco} Gradient sync:" in text
+    assert "--diloco-inner-steps INT|null H, the local steps between DiLoCo's syncs." in text
     assert "\"compute-only\" syncs nothing" in text
     assert '"none" (plain all-reduce)' in text and "(default: edgc)" in text
     assert "--log {jsonl,tensorboard}" in text and "(default: jsonl)" in text
@@ -52,7 +53,8 @@ def test_train_help_reads_as_a_manual():
     assert "--edgc-bins INT Histogram bins" in text
     assert "MAX_BINS (2**20). (default: 1000)" in text
     # the groups, in order, then the examples
-    headings = ["which run:", "model and gradient sync:", "workers and parallel layout:", "optimisation:", "data:",
+    headings = ["which run:", "model and gradient sync:", "DiLoCo (--method diloco or edgc-diloco):",
+                "workers and parallel layout:", "optimisation:", "data:",
                 "evaluation:", "run folder, logging and checkpoints:", "EDGCConfig fields", "DACConfig fields",
                 "examples:"]
     places = [text.index(h) for h in headings]
