@@ -1,5 +1,6 @@
 """The examples under examples/, run as the README says (2 CPU processes, 4 for HSDP), then
-resumed from the checkpoint they wrote."""
+resumed from the checkpoint they wrote; and the README's DDP quick start, saved to a file
+as it stands, run under torchrun."""
 
 import re
 import subprocess
@@ -12,6 +13,7 @@ import torch
 from edgc.checkpoint import FILE_NAME
 from edgc.train.launch import free_port
 from harness import assert_same
+from readme_snippets import readme_blocks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SUMMARY = re.compile(r"EDGC: (\d+) of (\d+) steps compressed, last at rank (\d+), ([\d.]+)x fewer bytes")
@@ -94,6 +96,16 @@ def test_ddp_example_stopped_and_resumed_ends_as_the_uninterrupted_run(tmp_path)
         assert end["step"] == 6 and end["edgc"]["replica"] == r
         assert_same(_checkpoint(tmp_path / "cut" / f"rank{r}.pt"), end, f"rank{r}.pt")
     assert_same(ends[0]["model"], ends[1]["model"], "the replicas' weights")  # (bit-identical replicas)
+
+
+@pytest.mark.slow
+def test_the_readme_ddp_quick_start_saved_as_a_file_runs_under_torchrun(tmp_path):
+    (code,) = [code for (example, _), code in readme_blocks().items() if example == "examples/ddp.py"]
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    compressed, steps, rank, ratio = _run(_torchrun(script, "--steps", "3"), tmp_path)
+    assert (compressed, steps) == (2, 3) and rank > 0 and ratio > 1.0
+    assert sorted(p.name for p in (tmp_path / "runs" / "ddp").iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
 @pytest.mark.slow
