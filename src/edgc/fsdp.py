@@ -6,10 +6,10 @@
     from edgc.fsdp import register_edgc
 
     mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
-    for block in model.blocks:
+    for block in model.h:  # (edgc.models' GPT: its transformer blocks)
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    state = register_edgc(model, mesh, EDGCConfig(max_rank=32))
+    state = register_edgc(model, mesh, EDGCConfig(max_rank=32, total_steps=steps))  # before the first backward
 
 How it fits FSDP2. A module sharded over the 1-D "shard" mesh reduce-scatters its
 gradient inside the node and runs no all-reduce of its own: its
