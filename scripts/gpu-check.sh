@@ -232,12 +232,18 @@ on_signal() {
     [[ -n $CHILD ]] && kill -TERM "$CHILD" 2>/dev/null
 }
 
-# keep_run RUN DEST: a finished run folder's small files (summary, metrics, config, plots),
-# without its checkpoints, into the results.
+# keep_run RUN DEST: a finished run folder's small files (summary, metrics, config), without
+# its checkpoints or plots, into the results. The summary's plots give way to one line on how
+# to redraw them (benchmarks/results/README.md; tests/unit/test_results_size.py refuses plots
+# in a run folder).
 keep_run() {
     [[ -d $1 ]] || return 0
     mkdir -p "$2"
-    find "$1" -maxdepth 1 -type f ! -name 'checkpoint*.pt' ! -name '.edgc.lock' -exec cp {} "$2"/ \;
+    find "$1" -maxdepth 1 -type f ! -name 'checkpoint*.pt' ! -name '.edgc.lock' ! -name '*.png' -exec cp {} "$2"/ \;
+    if [[ -f $2/summary.md ]] && grep -q '^!\[[^]]*\]([^)]*\.png)$' "$2/summary.md"; then
+        sed -i '/^!\[[^]]*\]([^)]*\.png)$/d' "$2/summary.md"
+        printf '%s\n' "Plots (loss, entropy, rank, bytes): not kept in the repository. \`edgc report RUN\` redraws them from this run's metrics.jsonl ([redrawing the plots](../../../../README.md#redrawing-the-plots))." >>"$2/summary.md"
+    fi
 }
 
 # --- the parts ------------------------------------------------------------------------

@@ -185,8 +185,9 @@ case "$*" in # (by the command's start: the paths in it may say anything)
     done
     echo "a projection" ;;
 "-m edgc train "*) for ((i = 1; i <= $#; i++)); do
-        [[ ${!i} == --out ]] && { j=$((i + 1)); mkdir -p "${!j}"; echo run >"${!j}/summary.md";
-            echo big >"${!j}/checkpoint.pt"; }
+        [[ ${!i} == --out ]] && { j=$((i + 1)); mkdir -p "${!j}";
+            printf 'run\n\n![loss](loss.png)\n' >"${!j}/summary.md";
+            echo big >"${!j}/checkpoint.pt"; echo png >"${!j}/loss.png"; }
     done ;;
 esac
 exit 0
@@ -221,6 +222,8 @@ def test_parts_are_timed_logged_and_reported_whatever_each_does(tmp_path):
     assert (res / "simulate" / "profile-paper-2.5b.json").is_file()
     assert "no such cluster" in (res / "simulate" / "sim-paper-12.1b.txt").read_text()
     assert (res / "logs" / "ddp-nccl.log").is_file() and (res / "device.txt").is_file()
-    # the run folders' small files are kept, their checkpoints are not
-    assert (res / "runs" / "hsdp-nccl" / "summary.md").is_file()
-    assert not list(res.rglob("checkpoint*"))
+    # the run folders' small files are kept, their checkpoints and plots are not, and the
+    # summary says how to redraw the plots instead of embedding them
+    summary = (res / "runs" / "hsdp-nccl" / "summary.md").read_text()
+    assert "![loss]" not in summary and "../../../../README.md#redrawing-the-plots" in summary
+    assert not list(res.rglob("checkpoint*")) and not list(res.rglob("*.png"))
