@@ -73,10 +73,8 @@ REPEATED = re.compile(r"(?<![\w.])\d+\.\d+[x×](?!\w)|(?<![\w.])[+−-]?\d\.\d{4
                       r"|(?<![\w.])\d+\.\d+ (?:m?s|[KMG]B(?:/s)?|bytes|h)\b")
 CODE_SPAN = re.compile(r"(`+).+?\1")
 
-# Copies this check leaves alone, each with its reason. README's Quick start restates the
-# default's 1000-step figures; that section is rewritten apart from this check (issue 64),
-# and these entries go when it links to BENCHMARKS instead.
-ALLOWED = {("README.md", "0.0052"), ("README.md", "0.243x")}
+# Copies this check leaves alone, as (page, figure), each with its reason beside it: none now.
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def figures_in(text: str) -> set[str]:
