@@ -97,8 +97,9 @@ def _settings_class() -> type:
     """EDGCSettings: one field per EDGCConfig field (each section's flat, "noise_exponent"),
     None meaning the run's default, so that only what a user gives is given."""
     fields: list[tuple[str, Any, Any]] = [
-        ("enable", Annotated[bool, tyro.conf.arg(help="compress the replicate sync with edgc; false: torchtitan's "
-                                                      "native HSDP, on the same data (a baseline)")], True),
+        ("enable", Annotated[bool, tyro.conf.arg(help="compress the replicate sync with edgc; --edgc.no-enable: "
+                                                      "torchtitan's native HSDP on the same config (a baseline)")],
+         True),
         ("max_rank", Annotated[int | None, tyro.conf.arg(help="r_max (edgc's default under torchtitan: 32; None, "
                                                               "calibration, is not built for FSDP)")], 32),
     ]
@@ -303,8 +304,9 @@ def _builtin_paths(config: Any) -> list[str]:
 
 class _Windows(IterableDataset, Stateful):
     """Consecutive windows of seq_len + 1 tokens of a token file, dealt out to the
-    data-parallel ranks in turn (window i to rank i mod ranks), each window once per
-    pass; the state is the number of windows this rank has taken."""
+    data-parallel ranks in turn (window i to rank i mod ranks), each window once per pass
+    (the last few left out, so that every rank takes as many: a pass that ends does so on
+    every rank alike); the state is the number of windows this rank has taken."""
 
     def __init__(self, path: Path, seq_len: int, dp_rank: int, dp_world_size: int, infinite: bool) -> None:
         self.tokens = TokenFile(path)
@@ -316,7 +318,7 @@ class _Windows(IterableDataset, Stateful):
         self.taken = 0
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        per_pass = (self.windows - self.rank + self.ranks - 1) // self.ranks  # (this rank's windows in one pass)
+        per_pass = self.windows // self.ranks  # (every rank's windows in one pass: as many on each)
         positions = torch.arange(self.seq_len)
         while self.infinite or self.taken < per_pass:
             window = self.rank + (self.taken % per_pass) * self.ranks
