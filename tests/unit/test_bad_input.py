@@ -43,6 +43,9 @@ ALLOWED = {
                          "--edgc-min-compression-rate", "--edgc-min-unit-mb", "--dac-eta", "--dac-intercept",
                          "--dac-t-mb", "--dac-t-uncompressed")],
     ("--emulated-device-ms", "0"),  # off, the default
+    ("--diloco-outer-momentum", "0"),  # DiLoCo's outer step without momentum: plain SGD
+    ("--diloco-inner-steps", str(10**12)),  # H past the run's end: no outer step at all, the user's call
+    ("--diloco-outer-lr", "1e12"),  # an outer step that diverges, as a huge --lr does
     ("--dac-intercept", "-1"),  # T = eta·r + c: a negative offset is a fitted value like any other
     # large counts and sizes are the user's call: a long run, rare evaluations and
     # checkpoints, a large cap (memory and time are theirs, as with any trainer)
