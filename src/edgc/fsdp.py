@@ -83,7 +83,6 @@ import io
 import logging
 import math
 import zlib
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +98,8 @@ from edgc.comm.facade import SyncState
 from edgc.comm.stats import EDGCStats
 from edgc.comm.sync import GradientSync
 from edgc.config import EDGCConfig
-from edgc.fsdp_internals import ModuleParams, fsdp_state, module_params, root_mesh
+from edgc.fsdp_internals import ModuleParams, fsdp_state, module_params
+from edgc.fsdp_layout import TensorParallel, stage_group, tensor_parallel
 from edgc.safeload import load_torch
 
 logger = logging.getLogger(__name__)
@@ -344,104 +344,7 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-@dataclass(frozen=True)
-class _TensorParallel:
-    """What tensor parallelism does to a model's FSDP parameters, seen from this process."""
-
-    dims: tuple[str, ...]  # the mesh dimensions the parameters are split over besides the shard one ("tp")
-    size: int  # TP ranks (the product of those dimensions' sizes; 1 without TP)
-    copies: frozenset[Hashable]  # entry keys of tensors held whole on every TP rank, counted on another one
-    ranks: tuple[int, ...] = ()  # this process's TP group, where `mesh`'s root mesh lacks `dims` (else ())
-
-
-def _tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim: str, shard_dim: str
-                     ) -> _TensorParallel:
-    """Read the TP layout off the parameters FSDP holds: a parameter that
-    `parallelize_module` split is a DTensor on a (shard, tp) mesh. A tensor TP leaves whole
-    (outside the plan, or Replicate on the TP dimension) is a copy on every TP rank; it is
-    counted in the signals by the TP rank whose coordinate is 0 on every dimension it is
-    not split over. Raises ValueError when the TP mesh is not a slice of the same mesh as
-    `mesh`."""
-    dims: list[str] = []
-    for group in groups:
-        for param in group.params:
-            for name in param.tensor.device_mesh.mesh_dim_names or ():
-                if name != shard_dim and name not in dims:
-                    dims.append(name)
-    if not dims:
-        return _TensorParallel((), 1, frozenset())
-    if replicate_dim in dims:
-        raise ValueError(f"the model's parameters are split over mesh dimensions {dims}, the replicate dimension "
-                         f"{replicate_dim!r} among them: register_edgc syncs the replicas, which must hold whole "
-                         "copies of each shard")
-    root = root_mesh(mesh)
-    ranks: tuple[int, ...] = ()
-    if not set(dims) <= set(root.mesh_dim_names or ()):
-        # (a mesh unflattened from the world mesh, as torchtitan builds: its root is "world",
-        # so the TP dimensions are read off a split parameter's own mesh)
-        root = next(p.tensor.device_mesh for g in groups for p in g.params
-                    if set(dims) <= set(p.tensor.device_mesh.mesh_dim_names or ()))
-        ranks = tuple(sorted(int(r) for r in root[dims].mesh.flatten().tolist()))
-    coordinate = {d: root[d].get_local_rank() for d in dims}
-    copies = set()
-    for index, group in enumerate(groups):
-        for k, param in enumerate(group.params):
-            names = tuple(param.tensor.device_mesh.mesh_dim_names or ())
-            split = {n for n, placement in zip(names, param.tensor.placements, strict=True)
-                     if n != shard_dim and not placement.is_replicate()}
-            if any(coordinate[d] != 0 for d in dims if d not in split):
-                copies.add((index, k))
-    return _TensorParallel(tuple(dims), math.prod(root[d].size() for d in dims), frozenset(copies), ranks)
-
-
-def _stage_group(mesh: DeviceMesh, stage_dims: tuple[str, ...], tp_ranks: tuple[int, ...] = ()
-                 ) -> dist.ProcessGroup:
-    """The group that agrees the decisions: every process that shares this one's
-    coordinates on the root mesh's other dimensions (a pipeline stage's "pp"), over the
-    `stage_dims`. Every process creates every such group, in the same order
-    (torch.distributed.new_subgroups_by_enumeration), as new_group requires.
-    `tp_ranks`: this process's TP group where the root mesh lacks the TP dimensions; the
-    stage is then `mesh`'s processes and their TP groups (`_joined_stages`)."""
-    if tp_ranks:
-        return _subgroup(_joined_stages(mesh, tp_ranks))
-    root = root_mesh(mesh)
-    names = tuple(root.mesh_dim_names or ())
-    if not set(stage_dims) <= set(names):  # (a mesh of its own, not sliced: it is the stage)
-        names, root = tuple(mesh.mesh_dim_names or ()), mesh
-    other = [i for i, n in enumerate(names) if n not in stage_dims]
-    inner = [names.index(n) for n in stage_dims]
-    ranks = root.mesh.permute(*other, *inner).reshape(-1, math.prod(root.mesh.shape[i] for i in inner))
-    return _subgroup([sorted(row.tolist()) for row in ranks])
-
-
-def _subgroup(stages: list[list[int]]) -> dist.ProcessGroup:
-    """This process's group among `stages` (every process names them all, in one order)."""
-    if len(stages) == 1 and len(stages[0]) == dist.get_world_size():
-        assert dist.group.WORLD is not None  # (initialised: register_edgc checked)
-        return dist.group.WORLD
-    group, _ = dist.new_subgroups_by_enumeration(stages)
-    if group is None:
-        raise ValueError(f"process {dist.get_rank()} is not in the mesh given to register_edgc")
-    return group
-
-
-def _joined_stages(mesh: DeviceMesh, tp_ranks: tuple[int, ...]) -> list[list[int]]:
-    """Every stage: the processes linked by `mesh` (replicate x shard) or by a TP group,
-    from every process's two groups (one all_gather_object at registration)."""
-    mine = sorted({int(r) for r in mesh.mesh.flatten().tolist()} | set(tp_ranks))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    stages: list[set[int]] = []
-    for ranks in everyone:  # (merge the groups that share a process)
-        joined = set(ranks)
-        for stage in [s for s in stages if s & joined]:
-            joined |= stage
-            stages.remove(stage)
-        stages.append(joined)
-    return sorted(sorted(stage) for stage in stages)
-
-
-def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: _TensorParallel) -> None:
+def _check_same_shards(modules: list[_Module], control: dist.ProcessGroup, tp: TensorParallel) -> None:
     """Raise ValueError unless every process of the stage holds shards of the same shapes.
 
     The TP ranks must compress alike: the same groups of matrices draw the same Q from the
@@ -578,8 +481,8 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
     hooked, modules = _fsdp_modules(model, _ranks(shard_mesh.get_group()), shard_dim,
                                     experts[1].get_group() if experts is not None else None)
     dense = [m for m in modules if not m.expert]
-    tp = _tensor_parallel(mesh, [m.group for m in dense], replicate_dim, shard_dim)
-    control = _stage_group(mesh, (replicate_dim, shard_dim, *tp.dims), tp.ranks)
+    tp = tensor_parallel(mesh, [m.group for m in dense], replicate_dim, shard_dim)
+    control = stage_group(mesh, (replicate_dim, shard_dim, *tp.dims), tp.ranks)
     if tp.size > 1:
         if experts is not None:
             raise ValueError("register_edgc does not combine experts (expert_mesh) with tensor parallelism yet")
@@ -598,7 +501,7 @@ def register_edgc(model: nn.Module, mesh: DeviceMesh, config: EDGCConfig | None 
                              f"mesh=expert_mesh[{shard_dim!r}]) before the blocks")
         expert_sync = GradientSync(e_replicate.get_group(), config if expert_config is None else expert_config,
                                    eager=True,
-                                   control_group=_stage_group(expert_mesh, (replicate_dim, shard_dim)))
+                                   control_group=stage_group(expert_mesh, (replicate_dim, shard_dim)))
         expert_sync.declare([m.entries for m in mine], [m.group.reduce_dtype for m in mine])
         gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"
         for m, module in zip(hooked, modules, strict=True):

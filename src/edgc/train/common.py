@@ -16,6 +16,7 @@ from edgc.checkpoint import restore_state
 from edgc.comm.activation import resized_activation_state
 from edgc.comm.hook import EDGCState
 from edgc.comm.replicas import replica_entry
+from edgc.config import EDGCConfig
 from edgc.data.stream import BatchStream
 from edgc.fsdp import EDGCFSDPState
 from edgc.models import build_model
@@ -28,8 +29,8 @@ logger = logging.getLogger(__name__)
 LoadWeights = Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]], None]
 
 __all__ = ["DivergenceGuard", "Precision", "TrainingDiverged", "all_finite", "compile_blocks", "load_plain_weights",
-           "lr_at", "model_config", "param_groups", "resized_accum", "restore_rank", "restore_resized",
-           "restore_resized_stage", "resumed_stream", "tell_learning_rate", "window_signals"]
+           "lr_at", "model_config", "new_length_warning", "param_groups", "resized_accum", "restore_rank",
+           "restore_resized", "restore_resized_stage", "resumed_stream", "tell_learning_rate", "window_signals"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -313,3 +314,24 @@ class Precision:
     def load_state_dict(self, d: dict[str, Any] | None) -> None:
         if d:
             self.scaler.load_state_dict(d)
+
+
+def new_length_warning(before: TrainConfig, after: TrainConfig, at: int) -> str:
+    """What a resume from step `at` that changes the run's length from `before.steps` to
+    `after.steps` does (the two configs otherwise the run's): the learning-rate schedule
+    is worked out over the new length from the next step on, and what the run set from its
+    first length (the learning rate's warm-up, the compression's window and warm-up) stays.
+    Not the run that `after.steps` gives from the start."""
+    old, new = before.resolve(), after.resolve()
+    if new.lr_schedule == "cosine":
+        lr = (f"the cosine learning rate is recomputed over {new.steps} steps, so step {at + 1} runs at "
+              f"{lr_at(at + 1, new):.2e} where step {at} ran at {lr_at(at, old):.2e}")
+    else:
+        lr = f'the "step" schedule\'s drops stay at steps {new.lr_drop_steps}'
+    kept = [f"the learning rate's warm-up ({new.lr_warmup_steps} steps)"]
+    if new.method not in ("none", "compute-only", "diloco"):
+        edgc = EDGCConfig.from_dict(new.edgc)
+        kept += [f"the compression's window ({edgc.window} steps)", f"its warm-up (warmup_steps {edgc.warmup_steps})"]
+    return (f"resuming with --steps {new.steps} (the run's: {old.steps}): {lr}; these stay as the {old.steps}-step "
+            f"run set them: {', '.join(kept)}. This continues the run; it is not the run --steps {new.steps} gives "
+            f"from the start (start a new run for that)")

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from edgc.config import EP_WIRES, MAX_RANK, SEED_LIMIT, EDGCConfig, pipeline_refusal, run_scaled
+from edgc.config import EP_WIRES, MAX_RANK, SEED_LIMIT, EDGCConfig, run_scaled
 from edgc.fields import check_field_types, reject_unknown_fields
 from edgc.models import PRESETS
 from edgc.policy.dac import DACConfig
+from edgc.train import layout_checks
 from edgc.train.config_file import check_folder_path, load_config_file
-from edgc.train.layout_checks import check_expert_layout, check_tp_layout, expert_config
+from edgc.train.layout_checks import DILOCO_METHODS, expert_config
 
 __all__ = ["DILOCO_METHODS", "METHODS", "TrainConfig", "load_config_file", "process_group_backend"]
 
 METHODS = ("none", "powersgd", "torch-powersgd", "edgc", "compute-only", "diloco", "edgc-diloco")
-#: The methods that sync every H steps (edgc.diloco), not every step.
-DILOCO_METHODS = ("diloco", "edgc-diloco")
 SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -95,8 +93,7 @@ class TrainConfig:
 
     diloco_inner_steps: int | None = None
     """H, the local steps between DiLoCo's syncs. None: steps // 100, at least 1: about 100
-    outer steps a run, for the outer momentum (0.9: a horizon of about 10 outer steps) to
-    work over, as the paper's 88,000-step runs at H = 500 had 176."""
+    outer steps a run for the outer momentum to act over (docs/diloco.md)."""
 
     diloco_outer_lr: float = 0.7
     """DiLoCo's outer learning rate (the paper's 0.7), > 0."""
@@ -387,7 +384,7 @@ class TrainConfig:
                 f"data={self.data!r}: no prepared data there (expected meta.json, train.bin, val.bin); "
                 f"make it with: edgc prepare TEXT_FILES_OR_FOLDERS --out {self.data}"
             )
-        self._check_diloco(bad)  # (before edgc_config, which counts edgc-diloco's outer steps)
+        layout_checks.check_diloco_layout(self, bad)  # (before edgc_config, which counts edgc-diloco's outer steps)
         for table in ("edgc", "expert_edgc"):
             if getattr(self, table).get("total_steps") is not None:
                 bad(table, "total_steps is the run's --steps here; the run scales the window and warm-up to it")
@@ -421,37 +418,10 @@ class TrainConfig:
                                  "buckets of this size and refuses any smaller than 1 MB")
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             bad("log", "the tensorboard package is not installed; install it with: pip install 'edgc[tensorboard]'")
-        check_tp_layout(self, bad)
-        check_expert_layout(self, bad)
-        if self.hsdp:
-            if self.pp > 1 or (self.dp is not None and (self.tp == 1 or self.dp_replicate is not None)):
-                bad("dp_shard", "HSDP (--dp-shard, --dp-replicate) does not combine with pipelines (--pp, --dp)")
-            if self.method not in ("none", "powersgd", "edgc"):
-                bad("method", f"{self.method} is not supported with HSDP: use none (native HSDP), powersgd or edgc")
-            if self.dtype == "fp16":
-                bad("dtype", "fp16 is not supported with HSDP (its GradScaler does not know sharded gradients); "
-                             "use bf16")
-            if self.nproc is not None:
-                self.hsdp_layout(self.nproc)
-        if self.pp > 1:
-            self.check_layout(self.workers())
-            layers = PRESETS[self.preset].n_layer
-            if self.pp > layers:
-                bad("pp", f"the {self.preset} preset has {layers} blocks, fewer than pp({self.pp}) stages")
-            if self.method in ("torch-powersgd", "compute-only"):
-                bad("method", f"{self.method} is not supported with pp > 1 (use powersgd, our static-rank "
-                              "compressor, or none)")
-            if (why := pipeline_refusal(self.edgc_config())) is not None:
-                bad("edgc", why)
-            if self.grad_accum != 1:
-                bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
-            if self.dtype != "fp32":
-                bad("dtype", "mixed precision is not supported with pp > 1 yet (the stages exchange fp32 activations)")
-            mb = self.microbatches or 2 * self.pp
-            if self.batch_size % mb:
-                raise ValueError(f"batch_size={self.batch_size} must divide into microbatches={mb}")
-            if self.schedule == "1f1b" and mb < self.pp:
-                raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({self.pp}) micro-batches")
+        layout_checks.check_tp_layout(self, bad)
+        layout_checks.check_expert_layout(self, bad)
+        layout_checks.check_hsdp_layout(self, bad)
+        layout_checks.check_pipeline_layout(self, bad)
 
     def lr_drops(self) -> list[int]:
         """The steps of `lr_drop_steps`, in order; raises ValueError unless they are
@@ -467,24 +437,6 @@ class TrainConfig:
                 raise ValueError(f"the steps must increase: {int(part)} follows {steps[-1]}")
             steps.append(int(part))
         return steps
-
-    def _check_diloco(self, bad: Any) -> None:
-        """DiLoCo's settings, and the layouts it serves (one process per replica)."""
-        h = self.diloco_inner_steps
-        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
-            bad("diloco_inner_steps", "must be an integer >= 1 or null (steps // 100)")
-        if not (math.isfinite(self.diloco_outer_lr) and self.diloco_outer_lr > 0):
-            bad("diloco_outer_lr", "must be a finite number > 0 (the paper's 0.7)")
-        if not 0 <= self.diloco_outer_momentum < 1:
-            bad("diloco_outer_momentum", "must be in [0, 1) (the paper's 0.9)")
-        if self.method not in DILOCO_METHODS:
-            return
-        for name, on in (("pp", self.pp > 1), ("tp", self.tp > 1), ("dp_shard", self.hsdp), ("ep", self.ep > 1)):
-            if on:
-                bad(name, f"--method {self.method} runs one process per replica: pipelines, tensor parallelism, "
-                          "FSDP2/HSDP and expert parallelism are not built for DiLoCo")
-        if self.dtype == "fp16":
-            bad("dtype", f"--method {self.method} does not take fp16's GradScaler yet; use bf16 or fp32")
 
     def resolved_inner_steps(self) -> int:
         """DiLoCo's H: as given, else steps // 100 (at least 1)."""

@@ -1,15 +1,20 @@
-"""The refusals of a tensor-parallel or expert-parallel layout that `edgc train` cannot serve
-(TrainConfig.validate calls them, each refusal in one line through its `bad`), and the
-experts' own EDGCConfig (TrainConfig.expert_edgc)."""
+"""The refusals of a layout that `edgc train` cannot serve: tensor, expert and pipeline
+parallelism, FSDP2/HSDP and DiLoCo (TrainConfig.validate calls them, each refusal in one
+line through its `bad`), and the experts' own EDGCConfig (TrainConfig.expert_edgc)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from edgc.config import EDGCConfig, flat_sections
+from edgc.config import EDGCConfig, flat_sections, pipeline_refusal
 from edgc.models import PRESETS
 
-__all__ = ["check_expert_layout", "check_tp_layout", "expert_config"]
+__all__ = ["DILOCO_METHODS", "check_diloco_layout", "check_expert_layout", "check_hsdp_layout",
+           "check_pipeline_layout", "check_tp_layout", "expert_config"]
+
+#: The methods that sync every H steps (edgc.diloco), not every step.
+DILOCO_METHODS = ("diloco", "edgc-diloco")
 
 #: The EDGCConfig fields read by one warm-up mode only: a run's value of one is not the
 #: experts' when their warm-up is another.
@@ -86,3 +91,62 @@ def check_tp_layout(cfg: Any, bad: Any) -> None:
     if cfg.method not in ("none", "powersgd", "edgc"):
         bad("method", f"{cfg.method} is not supported with tensor parallelism: use none (native HSDP), "
                       "powersgd or edgc")
+
+
+def check_hsdp_layout(cfg: Any, bad: Any) -> None:
+    """Refuse (through `bad`) an FSDP2 / HSDP setting the run (a TrainConfig) cannot serve."""
+    if not cfg.hsdp:
+        return
+    if cfg.pp > 1 or (cfg.dp is not None and (cfg.tp == 1 or cfg.dp_replicate is not None)):
+        bad("dp_shard", "HSDP (--dp-shard, --dp-replicate) does not combine with pipelines (--pp, --dp)")
+    if cfg.method not in ("none", "powersgd", "edgc"):
+        bad("method", f"{cfg.method} is not supported with HSDP: use none (native HSDP), powersgd or edgc")
+    if cfg.dtype == "fp16":
+        bad("dtype", "fp16 is not supported with HSDP (its GradScaler does not know sharded gradients); "
+                     "use bf16")
+    if cfg.nproc is not None:
+        cfg.hsdp_layout(cfg.nproc)
+
+
+def check_pipeline_layout(cfg: Any, bad: Any) -> None:
+    """Refuse (through `bad`) a pipeline setting the run (a TrainConfig) cannot serve."""
+    if cfg.pp == 1:
+        return
+    cfg.check_layout(cfg.workers())
+    layers = PRESETS[cfg.preset].n_layer
+    if cfg.pp > layers:
+        bad("pp", f"the {cfg.preset} preset has {layers} blocks, fewer than pp({cfg.pp}) stages")
+    if cfg.method in ("torch-powersgd", "compute-only"):
+        bad("method", f"{cfg.method} is not supported with pp > 1 (use powersgd, our static-rank "
+                      "compressor, or none)")
+    if (why := pipeline_refusal(cfg.edgc_config())) is not None:
+        bad("edgc", why)
+    if cfg.grad_accum != 1:
+        bad("grad_accum", "must be 1 with pp > 1: the pipeline's micro-batches already accumulate")
+    if cfg.dtype != "fp32":
+        bad("dtype", "mixed precision is not supported with pp > 1 yet (the stages exchange fp32 activations)")
+    mb = cfg.microbatches or 2 * cfg.pp
+    if cfg.batch_size % mb:
+        raise ValueError(f"batch_size={cfg.batch_size} must divide into microbatches={mb}")
+    if cfg.schedule == "1f1b" and mb < cfg.pp:
+        raise ValueError(f"microbatches={mb}: the 1f1b schedule needs at least pp({cfg.pp}) micro-batches")
+
+
+def check_diloco_layout(cfg: Any, bad: Any) -> None:
+    """Refuse (through `bad`) DiLoCo's settings out of range, and the layouts it does not
+    serve (one process per replica), for the run (a TrainConfig)."""
+    h = cfg.diloco_inner_steps
+    if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
+        bad("diloco_inner_steps", "must be an integer >= 1 or null (steps // 100)")
+    if not (math.isfinite(cfg.diloco_outer_lr) and cfg.diloco_outer_lr > 0):
+        bad("diloco_outer_lr", "must be a finite number > 0 (the paper's 0.7)")
+    if not 0 <= cfg.diloco_outer_momentum < 1:
+        bad("diloco_outer_momentum", "must be in [0, 1) (the paper's 0.9)")
+    if cfg.method not in DILOCO_METHODS:
+        return
+    for name, on in (("pp", cfg.pp > 1), ("tp", cfg.tp > 1), ("dp_shard", cfg.hsdp), ("ep", cfg.ep > 1)):
+        if on:
+            bad(name, f"--method {cfg.method} runs one process per replica: pipelines, tensor parallelism, "
+                      "FSDP2/HSDP and expert parallelism are not built for DiLoCo")
+    if cfg.dtype == "fp16":
+        bad("dtype", f"--method {cfg.method} does not take fp16's GradScaler yet; use bf16 or fp32")

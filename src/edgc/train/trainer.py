@@ -46,6 +46,7 @@ from edgc.train.common import (
     compile_blocks,
     lr_at,
     model_config,
+    new_length_warning,
     param_groups,
     resized_accum,
     restore_rank,
@@ -188,29 +189,8 @@ def resume_config(checkpoint: str | Path, given: dict[str, Any]) -> TrainConfig:
     values["out"] = str(checkpoint.parent)
     cfg = TrainConfig.from_dict(values)
     if cfg.steps != saved["steps"] and cfg.steps >= 1:  # (a --steps below 1 is left to validate to refuse)
-        logger.warning("%s", _new_length_warning(dataclasses.replace(cfg, steps=saved["steps"]), cfg, ckpt["step"]))
+        logger.warning("%s", new_length_warning(dataclasses.replace(cfg, steps=saved["steps"]), cfg, ckpt["step"]))
     return cfg
-
-
-def _new_length_warning(before: TrainConfig, after: TrainConfig, at: int) -> str:
-    """What a resume from step `at` that changes the run's length from `before.steps` to
-    `after.steps` does (the two configs otherwise the run's): the learning-rate schedule
-    is worked out over the new length from the next step on, and what the run set from its
-    first length (the learning rate's warm-up, the compression's window and warm-up) stays.
-    Not the run that `after.steps` gives from the start."""
-    old, new = before.resolve(), after.resolve()
-    if new.lr_schedule == "cosine":
-        lr = (f"the cosine learning rate is recomputed over {new.steps} steps, so step {at + 1} runs at "
-              f"{lr_at(at + 1, new):.2e} where step {at} ran at {lr_at(at, old):.2e}")
-    else:
-        lr = f'the "step" schedule\'s drops stay at steps {new.lr_drop_steps}'
-    kept = [f"the learning rate's warm-up ({new.lr_warmup_steps} steps)"]
-    if new.method not in ("none", "compute-only"):
-        edgc = EDGCConfig.from_dict(new.edgc)
-        kept += [f"the compression's window ({edgc.window} steps)", f"its warm-up (warmup_steps {edgc.warmup_steps})"]
-    return (f"resuming with --steps {new.steps} (the run's: {old.steps}): {lr}; these stay as the {old.steps}-step "
-            f"run set them: {', '.join(kept)}. This continues the run; it is not the run --steps {new.steps} gives "
-            f"from the start (start a new run for that)")
 
 
 def train(cfg: TrainConfig, resume: str | Path | bool | None = None, overwrite: bool = False) -> Path:
@@ -441,8 +421,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
     run = data_parallel(cfg, model, device, world)
     precision = Precision(cfg.dtype, device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), fused=use_cuda or None)
-    diloco = cfg.method in DILOCO_METHODS
-    if diloco:  # (the DDP wrapper syncs nothing; DiLoCo syncs every H steps)
+    if cfg.method in DILOCO_METHODS:  # (the DDP wrapper syncs nothing; DiLoCo syncs every H steps)
         run.state = DiLoCoRun(cfg, model, opt)
     hook_state = run.state
     # this replica's batches: the same on every TP rank of a replica (TP is innermost)
@@ -503,7 +482,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any], data_dir: str,
             precision.scaler.update()  # (fp16: a smaller scale after inf/nan)
             precision.tell(hook_state)
             opt.zero_grad(set_to_none=True)
-            if diloco:
+            if isinstance(hook_state, DiLoCoRun):
                 hook_state.step()  # (every H-th step: the outer step, a collective)
             if use_cuda:
                 torch.cuda.synchronize()
