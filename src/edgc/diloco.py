@@ -156,15 +156,21 @@ class DiLoCo:
     def stats(self) -> EDGCStats:
         """This process's counters: `step` counts inner steps, bytes are the outer syncs'
         (bytes_uncompressed: what DDP's all-reduce would have sent over the same inner
-        steps); rank, phase and the times are the compression core's (0, "warmup" and 0
-        without one)."""
+        steps), `state_bytes` what DiLoCo holds (θ, the momentum and the core's state);
+        rank, phase and the times are the compression core's (0, "warmup" and 0 without
+        one)."""
         inner = self.sync.stats() if self.sync is not None else None
         fields = {k: getattr(inner, k) for k in EDGCStats.__dataclass_fields__} if inner is not None else {
             "phase": "warmup", "rank": 0, "step_phase": "warmup", "step_rank": 0, "entropy": math.nan,
             "min_rank": 0, "max_rank": 0, "compress_seconds": 0.0, "comm_seconds": 0.0, "entropy_seconds": 0.0,
             "nonfinite_steps": 0, "compressed_steps": 0}
+        # (what DiLoCo holds besides the model: θ and the momentum, and the core's state)
+        held = sum(g.numel() * g.element_size() for g in self.global_params)
+        held += sum(m.numel() * m.element_size() for st in self.outer_optimizer.state.values()
+                    for m in st.values() if isinstance(m, torch.Tensor))
         fields.update(step=self.step_count, bytes_sent=inner.bytes_sent if inner is not None else self.bytes_sent,
-                      bytes_uncompressed=self.step_count * self._ddp_bytes)
+                      bytes_uncompressed=self.step_count * self._ddp_bytes,
+                      state_bytes=held + (inner.state_bytes if inner is not None else 0))
         return EDGCStats(**fields)
 
     def state_dict(self) -> dict[str, Any]:

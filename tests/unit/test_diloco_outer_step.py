@@ -51,6 +51,7 @@ def test_the_outer_step_is_nesterov_sgd_on_the_weights_change_in_float64():
     stats = diloco.stats()
     assert stats.step == 9 and stats.bytes_sent == 0  # (one process sends nothing)
     assert stats.bytes_uncompressed == 9 * sum(p.numel() * 8 for p in model.parameters())
+    assert stats.state_bytes == 2 * sum(p.numel() * 8 for p in model.parameters())  # (θ and the momentum)
 
 
 def test_a_state_round_trip_resumes_exactly_mid_phase():
