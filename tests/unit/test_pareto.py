@@ -46,6 +46,18 @@ def test_sweep_runs_none_every_static_rank_torch_and_each_policy():
         sweep(32, ["static"])
 
 
+def test_diloco_adds_a_diloco_and_an_edgc_diloco_run_at_each_h_judged_against_its_twin():
+    runs = sweep(32, ["noise"], [32], diloco=[5, 20])
+    assert [(n, k, r) for n, k, r, _ in runs[-4:]] == [
+        ("diloco-h5", "diloco", None), ("edgc-diloco-h5", "edgc-diloco", 32),
+        ("diloco-h20", "diloco", None), ("edgc-diloco-h20", "edgc-diloco", 32)]
+    assert runs[-1][3] == ["--method", "edgc-diloco", "--rank", "32", "--diloco-inner-steps", "20"]
+    points = [_p("powersgd-r32", 3.60, 800, rank=32), _p("diloco-h5", 3.70, 80, kind="diloco"),
+              _p("edgc-diloco-h5", 3.72, 8, kind="edgc-diloco", rank=32)]
+    text = pareto_markdown(points, 3.60, "powersgd-r32", "setup.")
+    assert "- edgc-diloco-h5 against diloco-h5: 0.100x its bytes; final loss +0.0200 ± " in text
+
+
 def test_policy_specs_carry_a_rank_schedule():
     import pytest
 

@@ -54,6 +54,9 @@ def test_a_resumed_run_may_change_min_unit_mb_and_no_other_edgc_option(tmp_path,
 
 def test_bench_train_names_the_whole_step_mode_and_the_compute_only_baseline():
     assert _method_args("compute-only", 32) == ("compute-only", ["--method", "compute-only"])
+    assert _method_args("diloco-h20", 32) == ("diloco-h20", ["--method", "diloco", "--rank", "32",
+                                                              "--diloco-inner-steps", "20"])
+    assert _method_args("edgc-diloco-h5", 32)[1][:2] == ["--method", "edgc-diloco"]
     assert _method_args("edgc-wholestep", 32) == ("edgc-wholestep", ["--method", "edgc", "--rank", "32",
                                                                       "--edgc-sync-mode", "whole-step"])
     assert _method_args("powersgd-rmin-wholestep", 32)[1] == ["--method", "powersgd", "--rank", "8",
