@@ -29,13 +29,15 @@ class TensorParallel:
 
 
 def tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim: str, shard_dim: str
-                     ) -> TensorParallel:
+                    ) -> TensorParallel:
     """Read the TP layout off the parameters FSDP holds: a parameter that
     `parallelize_module` split is a DTensor on a (shard, tp) mesh. A tensor TP leaves whole
     (outside the plan, or Replicate on the TP dimension) is a copy on every TP rank; it is
     counted in the signals by the TP rank whose coordinate is 0 on every dimension it is
-    not split over. Raises ValueError when the TP mesh is not a slice of the same mesh as
-    `mesh`."""
+    not split over. The TP dimensions are read off `mesh`'s root mesh, or where it lacks
+    them (meshes unflattened from a 1-D world mesh, as torchtitan builds them) off a split
+    parameter's own mesh, with this process's TP group (`ranks`). Raises ValueError when
+    the replicate dimension splits a parameter, or no one mesh holds every TP dimension."""
     dims: list[str] = []
     for group in groups:
         for param in group.params:
@@ -53,9 +55,14 @@ def tensor_parallel(mesh: DeviceMesh, groups: list[ModuleParams], replicate_dim:
     if not set(dims) <= set(root.mesh_dim_names or ()):
         # (a mesh unflattened from the world mesh, as torchtitan builds: its root is "world",
         # so the TP dimensions are read off a split parameter's own mesh)
-        root = next(p.tensor.device_mesh for g in groups for p in g.params
-                    if set(dims) <= set(p.tensor.device_mesh.mesh_dim_names or ()))
-        ranks = tuple(sorted(int(r) for r in root[dims].mesh.flatten().tolist()))
+        root = next((p.tensor.device_mesh for g in groups for p in g.params
+                     if set(dims) <= set(p.tensor.device_mesh.mesh_dim_names or ())), None)
+        if root is None:
+            raise ValueError(f"the model's parameters are split over mesh dimensions {dims}, which no one mesh "
+                             "holds (neither the mesh given to register_edgc's root nor a parameter's): build one "
+                             f"mesh ({replicate_dim!r}, {shard_dim!r}, 'tp') and pass mesh[{replicate_dim!r}, "
+                             f"{shard_dim!r}]")
+        ranks = tuple(sorted(int(r) for r in root[tuple(dims)].mesh.flatten().tolist()))
     coordinate = {d: root[d].get_local_rank() for d in dims}
     copies = set()
     for index, group in enumerate(groups):
