@@ -69,7 +69,7 @@ from edgc.bench.frontier import (
     paired_gap,
 )
 from edgc.bench.netns import Cluster, NetnsUnavailable
-from edgc.bench.train import time_to_target, train_on_cluster
+from edgc.bench.train import _method_args, time_to_target, train_on_cluster
 from edgc.models import PRESETS
 from edgc.policy.registry import policy_names
 from edgc.train.blocks import block_losses_by_step, load_block_losses
@@ -161,10 +161,9 @@ def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None, diloc
         name = "-".join([f"edgc-{policy}", *(f"{f}-{v}" for f, v in settings)])
         args = ["--method", "edgc", "--rank", str(r_max), "--edgc-policy", policy, *extra]
         runs.append((name, "dynamic", r_max, args))
-    for h in diloco or ():
-        runs.append((f"diloco-h{h}", "diloco", None, ["--method", "diloco", "--diloco-inner-steps", str(h)]))
-        runs.append((f"edgc-diloco-h{h}", "edgc-diloco", r_max,
-                     ["--method", "edgc-diloco", "--rank", str(r_max), "--diloco-inner-steps", str(h)]))
+    for h in diloco or ():  # (the arguments of edgc bench train's method specs of the same names)
+        for name, kind, rank in ((f"diloco-h{h}", "diloco", None), (f"edgc-diloco-h{h}", "edgc-diloco", r_max)):
+            runs.append((name, kind, rank, _method_args(name, r_max)[1]))
     names = [name for name, *_ in runs]
     if len(names) != len(set(names)):
         raise ValueError(f"--policies or --diloco names a run twice: {names}")

@@ -28,7 +28,7 @@ from edgc.data.corpus import (
     split_corpus,
 )
 from edgc.data.tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
-from edgc.data.tokens import TokenFileHeader, write_token_file
+from edgc.data.tokens import TokenFile, TokenFileHeader, write_token_file
 
 logger = logging.getLogger(__name__)
 
@@ -290,8 +290,6 @@ def ensure_builtin(folder: str | Path, tokenizer: str = "bpe", max_bytes: int | 
             logger.info("tokenising the built-in corpus into %s (once)", folder)
             folder.mkdir(exist_ok=True)
             prepared = prepare_builtin(folder, tokenizer=tokenizer, max_bytes=max_bytes, vocab_size=vocab_size)
-            from edgc.data.tokens import TokenFile
-
             write_meta(folder, prepared.tokenizer, TokenFile(prepared.train).header.vocab_size,
                        prepared.train_tokens, prepared.val_tokens,
                        source="built-in corpus (Python standard library sources)")
