@@ -370,6 +370,30 @@ def test_bench_pareto_over_seeds_pairs_the_blocks(tmp_path, data_dir):
     assert again.returncode == 0 and again.stdout.count("already done, reused") == 6
 
 
+@pytest.mark.slow
+def test_bench_pareto_diloco_runs_take_their_outer_settings(tmp_path, data_dir):
+    """--diloco 2 adds diloco-h2 and edgc-diloco-h2, both with the --diloco-outer-* given
+    (the other runs without them), and the report sets edgc-diloco against its twin."""
+    out = tmp_path / "pareto"
+    cmd = [sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--steps", "4", "--rank", "2",
+           "--static-ranks", "2", "--policies", "noise", "--skip", "none,torch-powersgd-r2,edgc-noise",
+           "--diloco", "2", "--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.25", "--out", str(out), "--",
+           "--batch-size", "4", "--block-size", "32", "--edgc-warmup-steps", "1", "--edgc-window", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, method in (("diloco-h2", "diloco"), ("edgc-diloco-h2", "edgc-diloco")):
+        config = json.loads((out / name / "config.json").read_text())
+        assert (config["method"], config["diloco_inner_steps"]) == (method, 2)
+        assert (config["diloco_outer_lr"], config["diloco_outer_momentum"]) == (0.5, 0.25)
+    static = json.loads((out / "powersgd-r2" / "config.json").read_text())
+    assert (static["diloco_outer_lr"], static["diloco_outer_momentum"]) == (0.7, 0.9)  # (edgc train's defaults)
+    text = (out / "pareto.md").read_text()
+    assert "the DiLoCo runs with --diloco-outer-lr 0.5 --diloco-outer-momentum 0.25" in text
+    assert "| diloco-h2 |" in text and "- edgc-diloco-h2 against diloco-h2: " in text
+    records = read_metrics(out / "diloco-h2" / "metrics.jsonl")
+    assert [r["bytes_sent"] > 0 for r in records if r["kind"] == "train"] == [False, True, False, True]
+
+
 @pytest.mark.parametrize("skip, message", [("powersgd-r4", "the target"), ("powersgd-r3", "no runs named")])
 def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",
@@ -385,6 +409,8 @@ def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     (["--policies", "noise;noise"], "names a run twice"),
     (["--seeds", "2", "--", "--seed", "5"], "leave --seed out"),
     (["--seeds", "0"], "must be positive"),
+    (["--diloco-outer-lr", "0.5"], "give --diloco H,..."),
+    (["--diloco", "0"], "every H must be at least 1"),
 ])
 def test_bench_pareto_refuses_bad_ranks_and_specs(tmp_path, data_dir, args, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",

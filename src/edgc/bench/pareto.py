@@ -136,13 +136,14 @@ def parse_ranks(text: str, r_max: int) -> list[int]:
     return ranks
 
 
-def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None, diloco: list[int] | None = None
-          ) -> list[tuple[str, str, int | None, list[str]]]:
+def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None, diloco: list[int] | None = None,
+          outer: list[str] | None = None) -> list[tuple[str, str, int | None, list[str]]]:
     """(run name, kind, rank, `edgc train` arguments) for every run of the sweep. A policy
     spec is a name, "schedule=STEP:RANK,...", or a name with EDGCConfig fields for its run
     in brackets ("noise[noise_exponent=0.5]": run "edgc-noise-noise_exponent-0.5").
     `ranks`: the static ranks (default `static_ranks(r_max)`). `diloco`: the H of a DiLoCo
-    run and an edgc-diloco run each ("diloco-h20", "edgc-diloco-h20": edgc.diloco)."""
+    run and an edgc-diloco run each ("diloco-h20", "edgc-diloco-h20": edgc.diloco), with
+    `outer` (`edgc train`'s --diloco-outer-* options) added to both."""
     runs: list[tuple[str, str, int | None, list[str]]] = [("none", "none", None, ["--method", "none"])]
     for r in ranks or static_ranks(r_max):
         runs.append((f"powersgd-r{r}", "static", r, ["--method", "powersgd", "--rank", str(r)]))
@@ -163,7 +164,7 @@ def sweep(r_max: int, policies: list[str], ranks: list[int] | None = None, diloc
         runs.append((name, "dynamic", r_max, args))
     for h in diloco or ():  # (the arguments of edgc bench train's method specs of the same names)
         for name, kind, rank in ((f"diloco-h{h}", "diloco", None), (f"edgc-diloco-h{h}", "edgc-diloco", r_max)):
-            runs.append((name, kind, rank, _method_args(name, r_max)[1]))
+            runs.append((name, kind, rank, _method_args(name, r_max)[1] + list(outer or ())))
     names = [name for name, *_ in runs]
     if len(names) != len(set(names)):
         raise ValueError(f"--policies or --diloco names a run twice: {names}")
@@ -307,6 +308,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--diloco", default="", metavar="H,H,...",
                    help="also a DiLoCo run and an edgc-diloco run at each of these inner steps H (e.g. 5,20,50: "
                         "diloco-h5, edgc-diloco-h5, ...; edgc.diloco) (default: none)")
+    p.add_argument("--diloco-outer-lr", type=float, default=None, metavar="LR",
+                   help="the outer learning rate of every --diloco run (default: edgc train's, the paper's 0.7)")
+    p.add_argument("--diloco-outer-momentum", type=float, default=None, metavar="MU",
+                   help="the outer Nesterov momentum of every --diloco run (default: edgc train's, the paper's 0.9)")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")
@@ -343,7 +348,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--diloco {args.diloco!r}: give inner steps as integers separated by ','") from None
     if any(h < 1 for h in diloco):
         raise ValueError(f"--diloco {args.diloco!r}: every H must be at least 1")
-    runs = sweep(args.rank, split_policies(args.policies), ranks, diloco)
+    outer = [*(["--diloco-outer-lr", repr(args.diloco_outer_lr)] if args.diloco_outer_lr is not None else []),
+             *(["--diloco-outer-momentum", repr(args.diloco_outer_momentum)]
+               if args.diloco_outer_momentum is not None else [])]
+    if outer and not diloco:
+        raise ValueError("--diloco-outer-lr and --diloco-outer-momentum set the --diloco runs; give --diloco H,...")
+    runs = sweep(args.rank, split_policies(args.policies), ranks, diloco, outer)
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     unknown = skip - {name for name, *_ in runs}
     if unknown or f"powersgd-r{args.rank}" in skip:
@@ -398,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
                            f"{args.preset}, {args.nproc} workers, {link}, {args.steps} steps, r_max {args.rank}, "
                            f"data {args.data or 'built-in corpus'}, "
                            + (f"seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else f"seed {first}")
+                           + (f"; the DiLoCo runs with {' '.join(outer)}" if outer else "")
                            + f"; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
                            along_markdown(along, static_max))
     plot_pareto(points, out)
