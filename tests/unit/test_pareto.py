@@ -329,6 +329,16 @@ def test_the_report_pairs_every_run_with_every_static_rank_over_the_seeds():
         pareto_markdown(points[:-1], 3.60, "powersgd-r32", "setup.")
 
 
+def test_the_paired_differences_set_every_run_against_none_first_where_it_ran():
+    points = [_run("none", 3.55, 1600, "none"), *_statics(), _run("diloco-h5", 3.70, 320, "diloco"),
+              _run("edgc-diloco-h5", 3.71, 32, "edgc-diloco", 32)]
+    text = pareto_markdown(points, 3.60, "powersgd-r32", "setup.").split("## Paired differences")[1]
+    assert "minus none's (uncompressed) and each static rank's" in text
+    assert "| run | vs none | vs powersgd-r8 | vs powersgd-r16 | vs powersgd-r32 |" in text
+    assert "| diloco-h5 | +0.1500 ± 0.000" in text and "| edgc-diloco-h5 | +0.1600 ± 0.000" in text
+    assert "| none | — | -0.1500 ± " in text
+
+
 def test_runs_of_the_first_seed_stay_where_a_sweep_of_one_seed_puts_them(tmp_path):
     assert run_dir(tmp_path, "edgc-noise", 1337, 1337) == tmp_path / "edgc-noise"
     assert run_dir(tmp_path, "edgc-noise", 1339, 1337) == tmp_path / "seed1339" / "edgc-noise"

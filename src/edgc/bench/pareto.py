@@ -490,18 +490,19 @@ def pareto_markdown(points: list[ParetoPoint], target: float, target_name: str, 
                          "| - | - |")
     paired = ""
     if static_names:
-        rows = ["| run | " + " | ".join(f"vs {s}" for s in static_names) + " |",
-                "|---|" + "---|" * len(static_names)]
+        refs = (["none"] if "none" in runs else []) + static_names  # (uncompressed first, where it ran)
+        rows = ["| run | " + " | ".join(f"vs {s}" for s in refs) + " |", "|---|" + "---|" * len(refs)]
         for name, pts in runs.items():
             rows.append(f"| {name} | " + " | ".join("—" if s == name else _cell(_pairs(pts, runs[s]))
-                                                   for s in static_names) + " |")
+                                                   for s in refs) + " |")
         paired = (
-            "## Paired differences\n\nEach run's final validation loss minus each static rank's, over the same "
+            "## Paired differences\n\nEach run's final validation loss minus "
+            + ("none's (uncompressed) and " if "none" in runs else "") + "each static rank's, over the same "
             "validation blocks: the mean of the per-block differences ± their SE (the paired SE"
             + (f", over {n} seeds: √(Σ SE²)/{n}; \"seeds ±\" is the SE of the mean difference from its spread "
                "over the seeds)" if n > 1 else "; one seed: the spread a run with another seed would add is not "
                "in it)")
-            + ". Negative: lower than the static rank. \"combined\": a run without block losses, with the "
+            + ". Negative: lower than the run it is set against. \"combined\": a run without block losses, with the "
             "two losses' combined SE.\n\n" + "\n".join(rows) + "\n\n")
     notes = []
     if ref is not None:
