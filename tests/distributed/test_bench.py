@@ -392,6 +392,16 @@ def test_bench_pareto_diloco_runs_take_their_outer_settings(tmp_path, data_dir):
     assert "| diloco-h2 |" in text and "- edgc-diloco-h2 against diloco-h2: " in text
     records = read_metrics(out / "diloco-h2" / "metrics.jsonl")
     assert [r["bytes_sent"] > 0 for r in records if r["kind"] == "train"] == [False, True, False, True]
+    # one run's own options, after the others (so they win): that run alone is trained again
+    cmd[cmd.index("--out"):cmd.index("--out")] = ["--method-args", "edgc-diloco-h2=--diloco-outer-lr 0.3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 2 and "holds a run with other settings" in proc.stderr, proc.stderr[-3000:]
+    shutil.rmtree(out / "edgc-diloco-h2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.count("already done, reused") == 2, proc.stderr[-3000:]
+    config = json.loads((out / "edgc-diloco-h2" / "config.json").read_text())
+    assert (config["diloco_outer_lr"], config["diloco_outer_momentum"]) == (0.3, 0.25)
+    assert "; edgc-diloco-h2 with --diloco-outer-lr 0.3" in (out / "pareto.md").read_text()
 
 
 @pytest.mark.parametrize("skip, message", [("powersgd-r4", "the target"), ("powersgd-r3", "no runs named")])
@@ -411,6 +421,7 @@ def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     (["--seeds", "0"], "must be positive"),
     (["--diloco-outer-lr", "0.5"], "give --diloco H,..."),
     (["--diloco", "0"], "every H must be at least 1"),
+    (["--method-args", "diloco-h5=--diloco-outer-lr 0.3"], "not among the runs"),
 ])
 def test_bench_pareto_refuses_bad_ranks_and_specs(tmp_path, data_dir, args, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",

@@ -69,7 +69,7 @@ from edgc.bench.frontier import (
     paired_gap,
 )
 from edgc.bench.netns import Cluster, NetnsUnavailable
-from edgc.bench.train import _method_args, time_to_target, train_on_cluster
+from edgc.bench.train import _method_args, _per_method_args, time_to_target, train_on_cluster
 from edgc.models import PRESETS
 from edgc.policy.registry import policy_names
 from edgc.train.blocks import block_losses_by_step, load_block_losses
@@ -312,6 +312,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the outer learning rate of every --diloco run (default: edgc train's, the paper's 0.7)")
     p.add_argument("--diloco-outer-momentum", type=float, default=None, metavar="MU",
                    help="the outer Nesterov momentum of every --diloco run (default: edgc train's, the paper's 0.9)")
+    p.add_argument("--method-args", action="append", default=[], metavar="RUN=ARGS",
+                   help="more `edgc train` options for one run only, by its name, after those after -- (so they "
+                        "win), e.g. \"edgc-diloco-h5=--diloco-outer-lr 0.4\"; repeatable (a run's options are "
+                        "part of its settings: a finished run given others is not reused)")
     p.add_argument("--skip", default="",
                    help="runs to leave out, by name, separated by ',' (e.g. \"powersgd-r4,torch-powersgd-r32\"); "
                         "static r_max, the target, cannot be left out")
@@ -361,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({', '.join(name for name, *_ in runs)})" if unknown else
                          f"powersgd-r{args.rank} is the target every run is measured against"))
     runs = [r for r in runs if r[0] not in skip]
+    own = _per_method_args(args.method_args, [name for name, *_ in runs])
     if args.bandwidth is not None:
         try:
             Cluster.check()
@@ -380,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
             label = name if seed == first else f"{name} (seed {seed})"
             train_args = ["train", "--preset", args.preset, "--steps", str(args.steps), "--data", str(data),
                           "--out", str(folder), "--no-progress", *method_args,
-                          *([] if seed == first else ["--seed", str(seed)]), *extra]
+                          *([] if seed == first else ["--seed", str(seed)]), *extra, *own.get(name, [])]
             if _finished(folder, train_args, args.steps):
                 print(f"[pareto] {i}/{total} {label}: already done, reused", flush=True)
             else:
@@ -409,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
                            f"data {args.data or 'built-in corpus'}, "
                            + (f"seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else f"seed {first}")
                            + (f"; the DiLoCo runs with {' '.join(outer)}" if outer else "")
+                           + "".join(f"; {name} with {' '.join(more)}" for name, more in own.items())
                            + f"; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
                            along_markdown(along, static_max))
     plot_pareto(points, out)
