@@ -96,7 +96,7 @@ class TrainConfig:
     outer steps a run for the outer momentum to act over (docs/diloco.md)."""
 
     diloco_outer_lr: float = 0.7
-    """DiLoCo's outer learning rate (the paper's 0.7), > 0."""
+    """DiLoCo's outer learning rate, > 0: the paper's 0.7, for H = 500 (docs/diloco.md: lower at short H)."""
 
     diloco_outer_momentum: float = 0.9
     """DiLoCo's outer Nesterov momentum (the paper's 0.9), in [0, 1); 0: plain SGD."""
