@@ -422,6 +422,7 @@ def test_bench_pareto_skip_errors(tmp_path, data_dir, skip, message):
     (["--diloco-outer-lr", "0.5"], "give --diloco H,..."),
     (["--diloco", "0"], "every H must be at least 1"),
     (["--method-args", "diloco-h5=--diloco-outer-lr 0.3"], "not among the runs"),
+    (["--diloco", "5", "--diloco-outer-momentum", "1"], "diloco_outer_momentum"),
 ])
 def test_bench_pareto_refuses_bad_ranks_and_specs(tmp_path, data_dir, args, message):
     proc = subprocess.run([sys.executable, "-m", "edgc", "bench", "pareto", "--data", str(data_dir), "--rank", "4",

@@ -41,6 +41,7 @@ sweep can be stopped and continued.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -373,6 +374,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(str(exc)) from None
     base = TrainConfig(preset=args.preset, steps=args.steps, nproc=args.nproc, data=args.data)
     base.validate()
+    if outer:  # (refused here, before any run trains, as edgc train would refuse the first DiLoCo run)
+        dataclasses.replace(base, method="diloco", **{k: v for k, v in (
+            ("diloco_outer_lr", args.diloco_outer_lr), ("diloco_outer_momentum", args.diloco_outer_momentum))
+            if v is not None}).validate()
     data = ensure_data(base)  # tokenise once, before any worker starts
     first = TrainConfig.seed
     seeds = [first + k for k in range(args.seeds)]
