@@ -353,9 +353,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--diloco {args.diloco!r}: give inner steps as integers separated by ','") from None
     if any(h < 1 for h in diloco):
         raise ValueError(f"--diloco {args.diloco!r}: every H must be at least 1")
-    outer = [*(["--diloco-outer-lr", repr(args.diloco_outer_lr)] if args.diloco_outer_lr is not None else []),
-             *(["--diloco-outer-momentum", repr(args.diloco_outer_momentum)]
-               if args.diloco_outer_momentum is not None else [])]
+    # the DiLoCo runs' outer step, as TrainConfig fields and as their edgc train options
+    outer_fields = {k: v for k, v in (("diloco_outer_lr", args.diloco_outer_lr),
+                                      ("diloco_outer_momentum", args.diloco_outer_momentum)) if v is not None}
+    outer = [a for k, v in outer_fields.items() for a in (f"--{k.replace('_', '-')}", repr(v))]
     if outer and not diloco:
         raise ValueError("--diloco-outer-lr and --diloco-outer-momentum set the --diloco runs; give --diloco H,...")
     runs = sweep(args.rank, split_policies(args.policies), ranks, diloco, outer)
@@ -375,9 +376,7 @@ def run(args: argparse.Namespace) -> int:
     base = TrainConfig(preset=args.preset, steps=args.steps, nproc=args.nproc, data=args.data)
     base.validate()
     if outer:  # (refused here, before any run trains, as edgc train would refuse the first DiLoCo run)
-        dataclasses.replace(base, method="diloco", **{k: v for k, v in (
-            ("diloco_outer_lr", args.diloco_outer_lr), ("diloco_outer_momentum", args.diloco_outer_momentum))
-            if v is not None}).validate()
+        dataclasses.replace(base, method="diloco", **outer_fields).validate()
     data = ensure_data(base)  # tokenise once, before any worker starts
     first = TrainConfig.seed
     seeds = [first + k for k in range(args.seeds)]
