@@ -27,7 +27,9 @@ So DiLoCo sends 1/H of DDP's bytes. With `compression=EDGCConfig(...)` (edgc-dil
 average of Δ goes through edgc's compression core instead, once per outer step: low rank with
 error feedback and warm-started Q, the wire format, the rank policy, the warm-up and the
 long-matrix rule, all counted in outer steps (the window, the warm-up and `total_steps`).
-The error feedback is that core's, kept apart from the outer momentum.
+The error feedback is that core's, kept apart from the outer momentum. Only what the
+outer momentum does not predict is compressed: Δ minus its least-squares fit to the momentum
+buffer, tensor by tensor (a number per tensor more on the wire, no more memory).
 
 Memory: θ and the momentum (two float32 copies of the model) on every replica, and with
 compression edgc's state (error feedback and Q). Checkpoints: `state_dict()` holds θ, the
@@ -137,8 +139,13 @@ class DiLoCo:
         delta = torch.cat([(g - p.detach().to(self.dtype)).reshape(-1)
                            for g, p in zip(self.global_params, self.params, strict=True)])
         if self.sync is not None:
+            predicted = self._predicted(delta, world)
+            if predicted is not None:
+                delta.sub_(predicted)
             future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             self.sync.receive(delta, self._entries, future, True)
+            if predicted is not None:
+                delta.add_(predicted)
         elif world > 1:
             dist.all_reduce(delta, group=self.group)
             delta.div_(world)
@@ -152,6 +159,28 @@ class DiLoCo:
             g.grad = None
             p.copy_(g)
         self.outer_steps += 1
+
+    def _predicted(self, delta: torch.Tensor, world: int) -> torch.Tensor | None:
+        """edgc-diloco: the part of the average Δ that the outer momentum b predicts, c b per
+        tensor with c = <Δ̄, b> / <b, b> (least squares). b is the same on every replica, and c
+        the average of each replica's own fit (one all-reduce of a number per tensor), so
+        only Δ - c b goes through the compressor and every replica adds the same c b back.
+        None before the first outer step, or without momentum."""
+        buffers = [self.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in self.global_params]
+        if any(b is None for b in buffers):
+            return None
+        flat = [b.reshape(-1) for b in buffers]
+        fits, offset = [], 0
+        for b in flat:
+            local = delta[offset:offset + b.numel()]
+            fits.append(torch.dot(local, b) / torch.dot(b, b).clamp_min(torch.finfo(b.dtype).tiny))
+            offset += b.numel()
+        coefficients = torch.stack(fits)
+        if world > 1:
+            dist.all_reduce(coefficients, group=self.group)
+            coefficients.div_(world)
+            self.bytes_sent += coefficients.numel() * coefficients.element_size()
+        return torch.cat([c * b for c, b in zip(coefficients, flat, strict=True)])
 
     def stats(self) -> EDGCStats:
         """This process's counters: `step` counts inner steps, bytes are the outer syncs'
@@ -168,7 +197,7 @@ class DiLoCo:
         held = sum(g.numel() * g.element_size() for g in self.global_params)
         held += sum(m.numel() * m.element_size() for st in self.outer_optimizer.state.values()
                     for m in st.values() if isinstance(m, torch.Tensor))
-        fields.update(step=self.step_count, bytes_sent=inner.bytes_sent if inner is not None else self.bytes_sent,
+        fields.update(step=self.step_count, bytes_sent=self.bytes_sent + (inner.bytes_sent if inner is not None else 0),
                       bytes_uncompressed=self.step_count * self._ddp_bytes,
                       state_bytes=held + (inner.state_bytes if inner is not None else 0))
         return EDGCStats(**fields)

@@ -59,4 +59,5 @@ def train(rank: int, world: int, inner_steps: int, steps: int, compression: dict
             saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
                      "opt": copy.deepcopy(opt.state_dict()), "diloco": diloco.state_dict(), "step": stop_at}
     dist.barrier()
-    return {"digests": digests, "losses": losses, "stats": diloco.stats(), "saved": saved, "final": _digest(model)}
+    return {"digests": digests, "losses": losses, "stats": diloco.stats(), "saved": saved, "final": _digest(model),
+            "weights": [p.detach().clone() for p in model.parameters()]}

@@ -1,6 +1,7 @@
 """edgc.diloco.DiLoCo on 2 and 4 gloo processes, through its own door: a user's loop."""
 
 import pytest
+import torch
 
 import diloco_workers
 from harness import run_workers
@@ -27,6 +28,18 @@ def test_replicas_hold_the_same_weights_after_every_outer_step(world, compressio
         assert stats.bytes_sent == 4 * whole  # (1/H of DDP's bytes)
     else:
         assert stats.compressed_steps == 3 and 0 < stats.bytes_sent < 4 * whole
+
+
+def test_edgc_diloco_at_full_rank_takes_diloco_s_outer_steps():
+    """At full rank on the native wire the compressor loses nothing, so edgc-diloco (which
+    compresses Δ minus the outer momentum's prediction, and adds that back) takes the
+    outer steps plain DiLoCo takes, up to float32 rounding."""
+    lossless = dict(EDGC, max_rank=64, min_rank=64, wire="native", min_compression_rate=0.1)
+    plain = run_workers(diloco_workers.train, 2, 5, 20, None, timeout=180)
+    full = run_workers(diloco_workers.train, 2, 5, 20, lossless, timeout=180)
+    assert full[0]["stats"].compressed_steps == 3 and full[0]["stats"].rank == 64
+    for a, b in zip(plain[0]["weights"], full[0]["weights"], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("compression", [None, EDGC], ids=["diloco", "edgc-diloco"])

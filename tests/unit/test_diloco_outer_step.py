@@ -54,6 +54,33 @@ def test_the_outer_step_is_nesterov_sgd_on_the_weights_change_in_float64():
     assert stats.state_bytes == 2 * sum(p.numel() * 8 for p in model.parameters())  # (θ and the momentum)
 
 
+def test_the_momentums_prediction_is_the_least_squares_fit_per_tensor_in_float64():
+    """edgc-diloco compresses Δ - c b: c b is, tensor by tensor, the multiple of the outer
+    momentum b nearest Δ, so what is left is orthogonal to b. None before the first outer
+    step (no b yet) and without momentum."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = DiLoCo(model, opt, inner_steps=2, outer_lr=0.5, outer_momentum=0.8)
+    delta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    assert diloco._predicted(delta, 1) is None
+    for step in range(1, 7):
+        _inner_step(model, opt, step)
+        diloco.step()
+    predicted = diloco._predicted(delta, 1)
+    assert predicted is not None and predicted.dtype == torch.float64
+    offset = 0
+    for g in diloco.global_params:
+        b = diloco.outer_optimizer.state[g]["momentum_buffer"].reshape(-1)
+        part, fit = delta[offset:offset + b.numel()], predicted[offset:offset + b.numel()]
+        offset += b.numel()
+        c = torch.dot(part, b) / torch.dot(b, b)
+        torch.testing.assert_close(fit, c * b, rtol=1e-14, atol=0)
+        assert abs(float(torch.dot(part - fit, b))) < 1e-12 * float(part.norm() * b.norm())
+    plain = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=1, outer_momentum=0.0)
+    plain.step()
+    assert plain._predicted(delta, 1) is None
+
+
 def test_a_state_round_trip_resumes_exactly_mid_phase():
     """Stopped after 4 inner steps (H = 3: one into the second phase), the model, the
     optimiser and DiLoCo's state restored into fresh objects continue bit for bit."""
