@@ -63,6 +63,18 @@ _FORMAT = "edgc-diloco-state"
 _VERSION = 1
 
 
+def _shift(delta: torch.Tensor, fit: list[tuple[torch.Tensor, torch.Tensor]], sign: int) -> None:
+    """delta ± c b, tensor by tensor in place (no copy of the model's size)."""
+    offset = 0
+    for c, b in fit:
+        part = delta[offset:offset + b.numel()]
+        if sign > 0:
+            part.add_(c * b)
+        else:
+            part.sub_(c * b)
+        offset += b.numel()
+
+
 class DiLoCo:
     """DiLoCo over `model` and its inner optimiser, on `process_group` (None: the world).
 
@@ -139,13 +151,13 @@ class DiLoCo:
         delta = torch.cat([(g - p.detach().to(self.dtype)).reshape(-1)
                            for g, p in zip(self.global_params, self.params, strict=True)])
         if self.sync is not None:
-            predicted = self._predicted(delta, world)
-            if predicted is not None:
-                delta.sub_(predicted)
+            fit = self._momentum_fit(delta, world)
+            if fit is not None:
+                _shift(delta, fit, -1)
             future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             self.sync.receive(delta, self._entries, future, True)
-            if predicted is not None:
-                delta.add_(predicted)
+            if fit is not None:
+                _shift(delta, fit, 1)
         elif world > 1:
             dist.all_reduce(delta, group=self.group)
             delta.div_(world)
@@ -160,12 +172,13 @@ class DiLoCo:
             p.copy_(g)
         self.outer_steps += 1
 
-    def _predicted(self, delta: torch.Tensor, world: int) -> torch.Tensor | None:
+    def _momentum_fit(self, delta: torch.Tensor, world: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """edgc-diloco: the part of the average Δ that the outer momentum b predicts, c b per
-        tensor with c = <Δ̄, b> / <b, b> (least squares). b is the same on every replica, and c
-        the average of each replica's own fit (one all-reduce of a number per tensor), so
-        only Δ - c b goes through the compressor and every replica adds the same c b back.
-        None before the first outer step, or without momentum."""
+        tensor with c = <Δ̄, b> / <b, b> (least squares), as (c, b flat) in parameter order.
+        b is the same on every replica, and c the average of each replica's own fit (one
+        all-reduce of a number per tensor), so only Δ - c b goes through the compressor and
+        every replica adds the same c b back. None before the first outer step, or without
+        momentum."""
         buffers = [self.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in self.global_params]
         if any(b is None for b in buffers):
             return None
@@ -180,7 +193,7 @@ class DiLoCo:
             dist.all_reduce(coefficients, group=self.group)
             coefficients.div_(world)
             self.bytes_sent += coefficients.numel() * coefficients.element_size()
-        return torch.cat([c * b for c, b in zip(coefficients, flat, strict=True)])
+        return list(zip(coefficients, flat, strict=True))
 
     def stats(self) -> EDGCStats:
         """This process's counters: `step` counts inner steps, bytes are the outer syncs'

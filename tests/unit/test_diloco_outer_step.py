@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from edgc import EDGCConfig
-from edgc.diloco import DiLoCo
+from edgc.diloco import DiLoCo, _shift
 
 
 def _model() -> nn.Module:
@@ -62,23 +62,26 @@ def test_the_momentums_prediction_is_the_least_squares_fit_per_tensor_in_float64
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diloco = DiLoCo(model, opt, inner_steps=2, outer_lr=0.5, outer_momentum=0.8)
     delta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
-    assert diloco._predicted(delta, 1) is None
+    assert diloco._momentum_fit(delta, 1) is None
     for step in range(1, 7):
         _inner_step(model, opt, step)
         diloco.step()
-    predicted = diloco._predicted(delta, 1)
-    assert predicted is not None and predicted.dtype == torch.float64
+    fit = diloco._momentum_fit(delta, 1)
+    assert fit is not None and len(fit) == len(diloco.global_params)
+    rest = delta.clone()
+    _shift(rest, fit, -1)
     offset = 0
-    for g in diloco.global_params:
-        b = diloco.outer_optimizer.state[g]["momentum_buffer"].reshape(-1)
-        part, fit = delta[offset:offset + b.numel()], predicted[offset:offset + b.numel()]
+    for g, (c, b) in zip(diloco.global_params, fit, strict=True):
+        assert torch.equal(b, diloco.outer_optimizer.state[g]["momentum_buffer"].reshape(-1))
+        part, left = delta[offset:offset + b.numel()], rest[offset:offset + b.numel()]
         offset += b.numel()
-        c = torch.dot(part, b) / torch.dot(b, b)
-        torch.testing.assert_close(fit, c * b, rtol=1e-14, atol=0)
-        assert abs(float(torch.dot(part - fit, b))) < 1e-12 * float(part.norm() * b.norm())
+        torch.testing.assert_close(c, torch.dot(part, b) / torch.dot(b, b), rtol=1e-14, atol=0)
+        assert abs(float(torch.dot(left, b))) < 1e-12 * float(part.norm() * b.norm())  # (the rest is ⟂ b)
+    _shift(rest, fit, 1)
+    torch.testing.assert_close(rest, delta, rtol=0, atol=1e-14)
     plain = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=1, outer_momentum=0.0)
     plain.step()
-    assert plain._predicted(delta, 1) is None
+    assert plain._momentum_fit(delta, 1) is None
 
 
 def test_a_state_round_trip_resumes_exactly_mid_phase():
