@@ -65,14 +65,8 @@ _VERSION = 1
 
 def _shift(delta: torch.Tensor, fit: list[tuple[torch.Tensor, torch.Tensor]], sign: int) -> None:
     """delta ± c b, tensor by tensor in place (no copy of the model's size)."""
-    offset = 0
-    for c, b in fit:
-        part = delta[offset:offset + b.numel()]
-        if sign > 0:
-            part.add_(c * b)
-        else:
-            part.sub_(c * b)
-        offset += b.numel()
+    for part, (c, b) in zip(delta.split([b.numel() for _, b in fit]), fit, strict=True):
+        part.add_(c * b, alpha=sign)
 
 
 class DiLoCo:
@@ -162,10 +156,8 @@ class DiLoCo:
             dist.all_reduce(delta, group=self.group)
             delta.div_(world)
             self.bytes_sent += delta.numel() * delta.element_size()
-        offset = 0
-        for g in self.global_params:
-            g.grad = delta[offset:offset + g.numel()].view_as(g)
-            offset += g.numel()
+        for g, part in zip(self.global_params, delta.split([g.numel() for g in self.global_params]), strict=True):
+            g.grad = part.view_as(g)
         self.outer_optimizer.step()
         for g, p in zip(self.global_params, self.params, strict=True):
             g.grad = None
@@ -183,12 +175,8 @@ class DiLoCo:
         if any(b is None for b in buffers):
             return None
         flat = [b.reshape(-1) for b in buffers]
-        fits, offset = [], 0
-        for b in flat:
-            local = delta[offset:offset + b.numel()]
-            fits.append(torch.dot(local, b) / torch.dot(b, b).clamp_min(torch.finfo(b.dtype).tiny))
-            offset += b.numel()
-        coefficients = torch.stack(fits)
+        coefficients = torch.stack([torch.dot(local, b) / torch.dot(b, b).clamp_min(torch.finfo(b.dtype).tiny)
+                                    for local, b in zip(delta.split([b.numel() for b in flat]), flat, strict=True)])
         if world > 1:
             dist.all_reduce(coefficients, group=self.group)
             coefficients.div_(world)
