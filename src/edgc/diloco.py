@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from edgc.comm.stats import EDGCStats
+from edgc.comm.timing import LapSum, start_lap
 from edgc.config import EDGCConfig
 from edgc.safeload import load_torch
 
@@ -113,6 +114,7 @@ class DiLoCo:
         self.step_count = 0  # inner steps taken
         self.outer_steps = 0
         self.bytes_sent = 0
+        self._comm = LapSum()  # DiLoCo's own all-reduces (the core times its own)
         self._numel = sum(p.numel() for p in params)
         self._ddp_bytes = sum(p.numel() * p.element_size() for p in params)  # (DDP's all-reduce, a step)
         self.sync: Any = None
@@ -153,7 +155,9 @@ class DiLoCo:
             if fit is not None:
                 _shift(delta, fit, 1)
         elif world > 1:
+            lap = start_lap(delta.device)
             dist.all_reduce(delta, group=self.group)
+            self._comm.add(lap.stop())
             delta.div_(world)
             self.bytes_sent += delta.numel() * delta.element_size()
         for g, part in zip(self.global_params, delta.split([g.numel() for g in self.global_params]), strict=True):
@@ -178,7 +182,9 @@ class DiLoCo:
         coefficients = torch.stack([torch.dot(local, b) / torch.dot(b, b).clamp_min(torch.finfo(b.dtype).tiny)
                                     for local, b in zip(delta.split([b.numel() for b in flat]), flat, strict=True)])
         if world > 1:
+            lap = start_lap(coefficients.device)
             dist.all_reduce(coefficients, group=self.group)
+            self._comm.add(lap.stop())
             coefficients.div_(world)
             self.bytes_sent += coefficients.numel() * coefficients.element_size()
         return list(zip(coefficients, flat, strict=True))
@@ -186,9 +192,10 @@ class DiLoCo:
     def stats(self) -> EDGCStats:
         """This process's counters: `step` counts inner steps, bytes are the outer syncs'
         (bytes_uncompressed: what DDP's all-reduce would have sent over the same inner
-        steps), `state_bytes` what DiLoCo holds (θ, the momentum and the core's state);
-        rank, phase and the times are the compression core's (0, "warmup" and 0 without
-        one)."""
+        steps), `state_bytes` what DiLoCo holds (θ, the momentum and the core's state),
+        `comm_seconds` the outer syncs' time (the whole all-reduce, or the core's rounds and
+        the prediction's coefficients); rank, phase and the other times are the compression
+        core's (0, "warmup" and 0 without one)."""
         inner = self.sync.stats() if self.sync is not None else None
         fields = {k: getattr(inner, k) for k in EDGCStats.__dataclass_fields__} if inner is not None else {
             "phase": "warmup", "rank": 0, "step_phase": "warmup", "step_rank": 0, "entropy": math.nan,
@@ -200,6 +207,7 @@ class DiLoCo:
                     for m in st.values() if isinstance(m, torch.Tensor))
         fields.update(step=self.step_count, bytes_sent=self.bytes_sent + (inner.bytes_sent if inner is not None else 0),
                       bytes_uncompressed=self.step_count * self._ddp_bytes,
+                      comm_seconds=float(self._comm) + (inner.comm_seconds if inner is not None else 0.0),
                       state_bytes=held + (inner.state_bytes if inner is not None else 0))
         return EDGCStats(**fields)
 
@@ -214,7 +222,8 @@ class DiLoCo:
             comm = blob.getvalue()
         return {"format": _FORMAT, "version": _VERSION, "inner_steps": self.inner_steps,
                 "numel": self._numel, "step": self.step_count, "outer_steps": self.outer_steps,
-                "bytes_sent": self.bytes_sent, "global": [g.detach().cpu().clone() for g in self.global_params],
+                "bytes_sent": self.bytes_sent, "comm_seconds": float(self._comm),
+                "global": [g.detach().cpu().clone() for g in self.global_params],
                 "momentum": [None if m is None else m.detach().cpu().clone() for m in momentum],
                 "compression": comm}
 
@@ -245,6 +254,7 @@ class DiLoCo:
                 self.outer_optimizer.state[g]["momentum_buffer"] = m.to(g.device, g.dtype).clone()
         self.step_count, self.outer_steps = int(d["step"]), int(d["outer_steps"])
         self.bytes_sent = int(d["bytes_sent"])
+        self._comm = LapSum(float(d.get("comm_seconds", 0.0)))  # (older states lack it)
         if self.sync is not None:
             raw = d["compression"]
             data = raw.numpy().tobytes() if isinstance(raw, torch.Tensor) else raw

@@ -24,6 +24,7 @@ def test_replicas_hold_the_same_weights_after_every_outer_step(world, compressio
     stats = out[0]["stats"]
     whole = 4 * sum(p.numel() for p in diloco_workers._model().parameters())  # (float32 bytes, one sync)
     assert stats.step == 20 and stats.bytes_uncompressed == 20 * whole
+    assert stats.comm_seconds > 0  # (the outer syncs are timed, whole or compressed)
     if compression is None:
         assert stats.bytes_sent == 4 * whole  # (1/H of DDP's bytes)
     else:
@@ -54,6 +55,8 @@ def test_a_run_resumed_mid_phase_equals_the_uninterrupted_one(compression):
         assert b["digests"] == {k: v for k, v in a["digests"].items() if k > 12}
         assert b["final"] == a["final"]
         assert _untimed(a["stats"]) == _untimed(b["stats"])
+        # the outer syncs' time so far travels in the state, and the resumed run adds to it
+        assert 0 < a["saved"]["diloco"]["comm_seconds"] < b["stats"].comm_seconds
 
 
 def _untimed(stats):
