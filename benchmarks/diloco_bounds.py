@@ -24,7 +24,8 @@ prediction as in edgc-diloco, is compressed by one of these instead of the core:
 Both keep error feedback as the core does: each replica keeps its input minus what every
 replica applied. This script is a measurement, not a method of the library: it patches
 `edgc.diloco.DiLoCo` in the workers it starts (each spawned worker imports this file again,
-as multiprocessing's spawn does with the parent's main script) and nothing else.
+as multiprocessing's spawn does with the parent's main script) and nothing else. A bound's
+error feedback is not checkpointed: run it whole, not with --stop-after and --resume.
 """
 
 from __future__ import annotations
