@@ -155,11 +155,7 @@ class DiLoCo:
             if fit is not None:
                 _shift(delta, fit, 1)
         elif world > 1:
-            lap = start_lap(delta.device)
-            dist.all_reduce(delta, group=self.group)
-            self._comm.add(lap.stop())
-            delta.div_(world)
-            self.bytes_sent += delta.numel() * delta.element_size()
+            self._average(delta, world)
         for g, part in zip(self.global_params, delta.split([g.numel() for g in self.global_params]), strict=True):
             g.grad = part.view_as(g)
         self.outer_optimizer.step()
@@ -182,12 +178,17 @@ class DiLoCo:
         coefficients = torch.stack([torch.dot(local, b) / torch.dot(b, b).clamp_min(torch.finfo(b.dtype).tiny)
                                     for local, b in zip(delta.split([b.numel() for b in flat]), flat, strict=True)])
         if world > 1:
-            lap = start_lap(coefficients.device)
-            dist.all_reduce(coefficients, group=self.group)
-            self._comm.add(lap.stop())
-            coefficients.div_(world)
-            self.bytes_sent += coefficients.numel() * coefficients.element_size()
+            self._average(coefficients, world)
         return list(zip(coefficients, flat, strict=True))
+
+    def _average(self, t: torch.Tensor, world: int) -> None:
+        """t averaged over the replicas in place: one all-reduce, timed into comm_seconds
+        and counted in bytes_sent."""
+        lap = start_lap(t.device)
+        dist.all_reduce(t, group=self.group)
+        self._comm.add(lap.stop())
+        t.div_(world)
+        self.bytes_sent += t.numel() * t.element_size()
 
     def stats(self) -> EDGCStats:
         """This process's counters: `step` counts inner steps, bytes are the outer syncs'

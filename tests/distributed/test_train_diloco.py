@@ -30,6 +30,7 @@ def test_a_diloco_run_syncs_every_h_steps_resumes_exactly_and_keeps_replicas_ide
     train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
     synced = [r["step"] for r in train if r["bytes_sent"] > 0]
     assert synced == [4, 8, 12, 16]  # (one sync every H = 4 steps, none between)
+    assert all(r["comm_time"] > 0 for r in train if r["step"] in synced)  # (the outer syncs are timed)
     whole = train[0]["bytes_uncompressed"]  # (DDP's all-reduce of one step, which each step counts)
     assert all(r["bytes_uncompressed"] == whole for r in train)
     sent = sum(r["bytes_sent"] for r in train)
