@@ -37,6 +37,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from edgc.comm.wire import BLOCK, wire_bytes
 from edgc.compress.lowrank import compressible, matrix_rank
 from edgc.diloco import DiLoCo
 
@@ -44,17 +45,19 @@ BOUND_ENV = "EDGC_DILOCO_BOUND"
 
 
 def _quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x rounded to `bits`-bit symmetric codes, a bfloat16 scale per block of 32."""
+    """x rounded to `bits`-bit symmetric codes, a bfloat16 scale per block of 32 (the int8
+    wire's blocks)."""
     top = 2 ** (bits - 1) - 1
-    blocks = torch.nn.functional.pad(x, (0, (-x.numel()) % 32)).view(-1, 32)
+    blocks = torch.nn.functional.pad(x, (0, (-x.numel()) % BLOCK)).view(-1, BLOCK)
     scale = (blocks.abs().amax(1, keepdim=True) / top).to(torch.bfloat16).to(x.dtype)
     scale = scale.clamp_min(torch.finfo(x.dtype).tiny)
     return ((blocks / scale).round().clamp(-top, top) * scale).reshape(-1)[: x.numel()]
 
 
 def _wire(numel: int, bits: int = 8) -> int:
-    """Bytes of `numel` elements at `bits` bits, with a 2-byte scale per block of 32."""
-    return (numel * bits + 7) // 8 + 2 * ((numel + 31) // 32)
+    """Bytes of `numel` elements at `bits` bits, with a 2-byte scale per block of 32 (at 8
+    bits, the int8 wire's `wire_bytes`)."""
+    return (numel * bits + 7) // 8 + 2 * ((numel + BLOCK - 1) // BLOCK)
 
 
 def _svd(diloco: DiLoCo, m: torch.Tensor, world: int, rank: int) -> torch.Tensor:
@@ -68,13 +71,13 @@ def _svd(diloco: DiLoCo, m: torch.Tensor, world: int, rank: int) -> torch.Tensor
         shape = tuple(p.shape)
         if not compressible(shape, rank, config.min_compression_rate):
             o.copy_(a)
-            diloco.bytes_sent += _wire(a.numel())
+            diloco.bytes_sent += wire_bytes(a.numel(), 4, "int8")
             continue
         matrix = a.view(shape[0], -1).double()
         r = matrix_rank(tuple(matrix.shape), rank, config.long_rank_factor, config.rank_multiple)
         u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
         o.view(shape[0], -1).copy_((u[:, :r] * s[:r]) @ vh[:r])
-        diloco.bytes_sent += _wire(r * sum(matrix.shape))
+        diloco.bytes_sent += wire_bytes(r * sum(matrix.shape), 4, "int8")  # (the core's count)
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from edgc import EDGCConfig
+from edgc.comm.wire import wire_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,6 +38,8 @@ def test_quantize_rounds_each_block_to_b_bit_codes_of_its_own_scale(bits):
         assert torch.equal(codes, codes.round()) and codes.abs().max() <= top
         assert (block - qblock).abs().max() <= scale / 2 + (block.abs().max() - top * scale).clamp_min(0) + 1e-12
     assert b._wire(1000, bits) == (1000 * bits + 7) // 8 + 2 * 32
+    if bits == 8:
+        assert b._wire(1000, bits) == wire_bytes(1000, 4, "int8")  # (the int8 wire's own count)
 
 
 def test_svd_bound_takes_each_matrix_at_the_core_s_rank_and_counts_the_int8_factors(one_process_group):
