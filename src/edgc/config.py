@@ -42,7 +42,7 @@ WARMUP_ERROR_NORMS = ("relative", "l1")
 #: How the hook schedules a step's collectives (EDGCConfig.sync_mode).
 SYNC_MODES = ("pipelined", "whole-step")
 #: The formats the low-rank factors travel in (EDGCConfig.wire; edgc.comm.wire).
-WIRE_FORMATS = ("native", "bf16", "int8", "fp8")
+WIRE_FORMATS = ("native", "bf16", "int8", "int4", "fp8")
 #: The formats the experts' all-to-all may travel in (edgc.moe.ExpertParallel, edgc train --ep-wire).
 EP_WIRES = ("native", "int8")
 #: The dtype the error feedback and Q are kept in between steps (EDGCConfig.state_dtype).
@@ -264,9 +264,11 @@ class EDGCConfig:
     wire: str = "int8"
     """The format what a step sums travels in (edgc.comm.wire): the factors P and Q and
     the tensors sent whole. "int8" (the default) or "fp8": one byte an element, with a
-    bfloat16 scale per block of 32, summed by a reduce-scatter and an all-gather; "bf16";
-    "native" (the gradient's own dtype, as torch's PowerSGD hook sends). The error
-    feedback keeps what the factors' rounding loses. docs/config.md says why int8."""
+    bfloat16 scale per block of 32, summed by a reduce-scatter and an all-gather; "int4":
+    the same with two 4-bit codes a byte (edgc-diloco's, which keeps error feedback for
+    the tensors sent whole too); "bf16"; "native" (the gradient's own dtype, as torch's
+    PowerSGD hook sends). The error feedback keeps what the factors' rounding loses.
+    docs/config.md says why int8."""
 
     state_dtype: str = "native"
     """The dtype the error feedback and the warm-start Q are kept in between steps.

@@ -31,8 +31,18 @@ The error feedback is that core's, kept apart from the outer momentum. Only what
 outer momentum does not predict is compressed: Δ minus its least-squares fit to the momentum
 buffer, tensor by tensor (a number per tensor more on the wire, no more memory).
 
+On the int4 wire (`EDGCConfig(wire="int4")`: 4-bit codes, a code step 1/7 of a block's
+largest value) DiLoCo keeps the error feedback of all of Δ itself, and the core none: each
+replica adds its kept error to what it sends, and keeps what it sent less what every replica
+applied, for the matrices the core compresses (as the core would: M - P Qᵀ) and for the
+tensors it sends whole alike. The core keeps none for a tensor sent whole, which on the
+one-byte wires loses at most 1/254 of its block's largest value a sync; at 4 bits, 1/14.
+One buffer of the model's size in float32 (the core's own would cover only the
+compressed matrices).
+
 Memory: θ and the momentum (two float32 copies of the model) on every replica, and with
-compression edgc's state (error feedback and Q). Checkpoints: `state_dict()` holds θ, the
+compression edgc's state (error feedback and Q; on the int4 wire a third copy, the error
+feedback, and Q). Checkpoints: `state_dict()` holds θ, the
 momentum, the step and the compression state (this replica's error feedback). Between outer
 steps the replicas' weights and inner optimiser states differ, so an exact resume in the
 middle of an inner phase also needs each replica's own model and optimiser
@@ -45,6 +55,7 @@ parameters), and a model wrapped in DDP (its all-reduce would run every step).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from typing import Any
@@ -118,9 +129,13 @@ class DiLoCo:
         self._numel = sum(p.numel() for p in params)
         self._ddp_bytes = sum(p.numel() * p.element_size() for p in params)  # (DDP's all-reduce, a step)
         self.sync: Any = None
+        self.error: torch.Tensor | None = None  # the int4 wire's error feedback of all of Δ (the module doc)
         if compression is not None:
             from edgc.comm.sync import GradientSync
 
+            if compression.wire == "int4" and compression.use_error_feedback:
+                self.error = torch.zeros(self._numel, dtype=self.dtype, device=params[0].device)
+                compression = dataclasses.replace(compression, use_error_feedback=False)
             self.sync = GradientSync(process_group, compression, eager=True)
             self._entries = [((0, k), tuple(p.shape)) for k, p in enumerate(params)]
             self.sync.declare([self._entries], [self.dtype])
@@ -150,8 +165,13 @@ class DiLoCo:
             fit = self._momentum_fit(delta, world)
             if fit is not None:
                 _shift(delta, fit, -1)
+            if self.error is not None:  # M = Δ + error, kept to subtract what was applied from
+                delta.add_(self.error)
+                self.error.copy_(delta)
             future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             self.sync.receive(delta, self._entries, future, True)
+            if self.error is not None:  # error = M - the average applied
+                self.error.sub_(delta)
             if fit is not None:
                 _shift(delta, fit, 1)
         elif world > 1:
@@ -204,6 +224,7 @@ class DiLoCo:
             "nonfinite_steps": 0, "compressed_steps": 0}
         # (what DiLoCo holds besides the model: θ and the momentum, and the core's state)
         held = sum(g.numel() * g.element_size() for g in self.global_params)
+        held += self.error.numel() * self.error.element_size() if self.error is not None else 0
         held += sum(m.numel() * m.element_size() for st in self.outer_optimizer.state.values()
                     for m in st.values() if isinstance(m, torch.Tensor))
         fields.update(step=self.step_count, bytes_sent=self.bytes_sent + (inner.bytes_sent if inner is not None else 0),
@@ -213,8 +234,9 @@ class DiLoCo:
         return EDGCStats(**fields)
 
     def state_dict(self) -> dict[str, Any]:
-        """θ, the outer momentum, the step and the counters, and the compression state (this
-        replica's error feedback and Q) as bytes, on the CPU."""
+        """θ, the outer momentum, the step and the counters, the int4 wire's error feedback
+        (this replica's; None on other wires), and the compression state (this replica's
+        error feedback and Q) as bytes, on the CPU."""
         momentum = [self.outer_optimizer.state.get(g, {}).get("momentum_buffer") for g in self.global_params]
         comm = None
         if self.sync is not None:
@@ -226,6 +248,7 @@ class DiLoCo:
                 "bytes_sent": self.bytes_sent, "comm_seconds": float(self._comm),
                 "global": [g.detach().cpu().clone() for g in self.global_params],
                 "momentum": [None if m is None else m.detach().cpu().clone() for m in momentum],
+                "error": None if self.error is None else self.error.cpu().clone(),
                 "compression": comm}
 
     def load_state_dict(self, d: dict[str, Any], *, trust: bool = False) -> None:
@@ -245,6 +268,14 @@ class DiLoCo:
         if (d["compression"] is None) != (self.sync is None):
             raise ValueError("DiLoCo state and this DiLoCo differ in compression (edgc-diloco against plain "
                              "DiLoCo): resume it as it was saved")
+        error = d.get("error")  # (states of edgc before the int4 wire lack it)
+        if (error is None) != (self.error is None):
+            raise ValueError("DiLoCo state and this DiLoCo differ in where the error feedback is kept (the int4 "
+                             "wire's, of all of the pseudo-gradient, against the core's): resume with the wire "
+                             "and use_error_feedback it was saved with")
+        if error is not None and tuple(error.shape) != (self._numel,):
+            raise ValueError(f"DiLoCo state holds an error feedback of shape {tuple(error.shape)} for a model of "
+                             f"{self._numel} parameters")
         for g, saved in zip(self.global_params, d["global"], strict=True):
             if tuple(saved.shape) != tuple(g.shape):
                 raise ValueError(f"DiLoCo state holds a tensor of shape {tuple(saved.shape)} where this model has "
@@ -256,6 +287,9 @@ class DiLoCo:
         self.step_count, self.outer_steps = int(d["step"]), int(d["outer_steps"])
         self.bytes_sent = int(d["bytes_sent"])
         self._comm = LapSum(float(d.get("comm_seconds", 0.0)))  # (older states lack it)
+        if self.error is not None:
+            assert error is not None  # (checked above)
+            self.error.copy_(error)
         if self.sync is not None:
             raw = d["compression"]
             data = raw.numpy().tobytes() if isinstance(raw, torch.Tensor) else raw

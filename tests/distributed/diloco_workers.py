@@ -61,3 +61,38 @@ def train(rank: int, world: int, inner_steps: int, steps: int, compression: dict
     dist.barrier()
     return {"digests": digests, "losses": losses, "stats": diloco.stats(), "saved": saved, "final": _digest(model),
             "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def int4_error_feedback(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """edgc-diloco on the int4 wire with a float64 model, H = 2: at every outer step, what
+    this replica handed the core (M = Δ less the prediction, plus its kept error), the
+    average the core applied, and the error kept after it; and the whole tensors' slots."""
+    model = _model().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = EDGCConfig(max_rank=4, min_rank=2, window=2, warmup="fixed", warmup_steps=1, wire="int4",
+                        iteration_sample_rate=1.0)
+    diloco = DiLoCo(model, opt, inner_steps=2, compression=config)
+    sent: list[torch.Tensor] = []
+    applied: list[torch.Tensor] = []
+    receive = diloco.sync.receive
+
+    def recording(delta, entries, future, last):
+        sent.append(delta.clone())
+        receive(delta, entries, future, last)
+        applied.append(delta.clone())
+
+    diloco.sync.receive = recording
+    kept = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(0, 40, (8, 6), generator=g)
+        nn.functional.cross_entropy(model(x), x[:, 0]).backward()
+        opt.step()
+        opt.zero_grad()
+        if diloco.step():
+            assert diloco.error is not None
+            kept.append(diloco.error.clone())
+    dist.barrier()
+    return {"sent": sent, "applied": applied, "kept": kept, "stats": diloco.stats(),
+            "core_error_feedback": diloco.sync.config.use_error_feedback,
+            "sizes": [p.numel() for p in model.parameters()]}

@@ -22,9 +22,11 @@ def _args(data_dir, out, *extra):
 EDGC = ["--edgc-warmup", "fixed", "--edgc-warmup-steps", "1", "--edgc-window", "2", "--edgc-min-compression-rate", "1"]
 
 
-@pytest.mark.parametrize("method", ["diloco", "edgc-diloco"])
-def test_a_diloco_run_syncs_every_h_steps_resumes_exactly_and_keeps_replicas_identical(tmp_path, data_dir, method):
-    extra = ["--method", method, "--checkpoint-every", "4", *(EDGC if method == "edgc-diloco" else [])]
+@pytest.mark.parametrize("method, wire", [("diloco", None), ("edgc-diloco", None), ("edgc-diloco", "int4")])
+def test_a_diloco_run_syncs_every_h_steps_resumes_exactly_and_keeps_replicas_identical(tmp_path, data_dir, method,
+                                                                                       wire):
+    extra = ["--method", method, "--checkpoint-every", "4", *(EDGC if method == "edgc-diloco" else []),
+             *(["--edgc-wire", wire] if wire else [])]
     straight = tmp_path / "straight"
     assert main(_args(data_dir, straight, *extra)) == 0
     train = [r for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
@@ -36,11 +38,13 @@ def test_a_diloco_run_syncs_every_h_steps_resumes_exactly_and_keeps_replicas_ide
     sent = sum(r["bytes_sent"] for r in train)
     if method == "diloco":
         assert sent == 4 * whole  # (1/H of DDP's bytes, in float32 as DDP's)
-    else:
-        assert 0 < sent < 4 * whole / 2 and train[-1]["rank"] > 0
-    # the checkpoint (step 16, an outer step) holds every replica's DiLoCo state: the same θ
+    else:  # (int4: every sync at most 1/2 + 2/32 bytes an element, 0.14x float32's)
+        assert 0 < sent < 4 * whole * (0.15 if wire == "int4" else 0.5) and train[-1]["rank"] > 0
+    # the checkpoint (step 16, an outer step) holds every replica's DiLoCo state: the same θ,
+    # and on the int4 wire each replica's own error feedback of the whole pseudo-gradient
     ckpt = torch.load(straight / CHECKPOINT_NAME, weights_only=False)
     states = [r["comm"]["diloco"] for r in ckpt["replicas"]]
+    assert [s.get("error") is not None for s in states] == [wire == "int4"] * 2
     for a, b in zip(states[0]["global"], states[1]["global"], strict=True):
         assert torch.equal(a, b)
     # stopped after 6 steps (2 into the second inner phase), resumed: bit for bit the same

@@ -9,18 +9,18 @@ import torch
 
 import wire_workers
 import workers
-from edgc.comm.wire import BLOCK, quantized_bytes
+from edgc.comm.wire import BLOCK, codec, quantized_bytes
 from harness import run_workers
 from test_hook_ddp import DYNAMIC
 
-FORMATS = ("bf16", "int8", "fp8")
+FORMATS = ("bf16", "int8", "int4", "fp8")
 # what the invariant's run sends whole in 6 steps in float64: its first step and 5 biases
 # (fewer in the other formats)
 WHOLE_BYTES = 8 * (sum(a * b for a, b in wire_workers.SHAPES[:3]) + 9 * 6)
 
 
 @pytest.mark.parametrize("wire,state_dtype", [("native", "native"), ("bf16", "native"), ("int8", "native"),
-                                              ("fp8", "native"), ("int8", "bf16")])
+                                              ("int4", "native"), ("fp8", "native"), ("int8", "bf16")])
 def test_sent_plus_kept_equals_input_in_float64(wire, state_dtype):
     out = run_workers(wire_workers.error_feedback_invariant, 2, wire, state_dtype, 6)
     for r in out:
@@ -34,7 +34,7 @@ def test_sent_plus_kept_equals_input_in_float64(wire, state_dtype):
 
 def test_quantized_factors_are_sent_rounded_and_count_fewer_bytes():
     native = run_workers(wire_workers.error_feedback_invariant, 2, "native", "native", 6)[0]
-    for wire, most, near in (("int8", 0.3, 0.05), ("fp8", 0.3, 0.15), ("bf16", 0.55, 0.02)):
+    for wire, most, near in (("int8", 0.3, 0.05), ("int4", 0.17, 0.5), ("fp8", 0.3, 0.15), ("bf16", 0.55, 0.02)):
         out = run_workers(wire_workers.error_feedback_invariant, 2, wire, "native", 6)[0]
         assert not torch.equal(out["sent"][0], native["sent"][0])  # the factors were rounded on the way
         # the first compressed step (one average per matrix, from the same gradients and Q)
@@ -61,16 +61,18 @@ def test_tensors_sent_whole_travel_in_the_wire_format(wire):
         assert out[0]["bytes"] == 2 * sum(sizes)
     else:
         # each tensor's blocks are its own: every one keeps its own precision although
-        # their magnitudes are 10^2 apart (int8: 2 roundings of 1/254 of a block's largest)
-        assert 0 < out[0]["worst"] < (0.01 if wire == "int8" else 0.1)
-        # about a byte an element (and a scale a block), in each bucket's buffer, padded to
-        # a whole number of blocks for each of the 2 replicas
+        # their magnitudes are 10^2 apart (int8: 2 roundings of 1/254 of a block's largest;
+        # int4: of 1/14)
+        assert 0 < out[0]["worst"] < {"int8": 0.01, "int4": 0.15}.get(wire, 0.1)
+        # about a byte (int4: half a byte) an element, and a scale a block, in each bucket's
+        # buffer, padded to a whole number of blocks for each of the 2 replicas
         padded = sum(n + (-n % BLOCK) for n in sizes)
         most = padded + len(sizes) * (2 * BLOCK - 1)
-        assert quantized_bytes(padded, 2) <= out[0]["bytes"] <= quantized_bytes(most, 2)
+        code = codec(wire)
+        assert quantized_bytes(padded, 2, code) <= out[0]["bytes"] <= quantized_bytes(most, 2, code)
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_replica_sums_whole_blocks(wire, world):
     # 5 blocks of magnitudes 10^-4 to 10^4: split into `world` chunks of 5/world blocks,
@@ -81,11 +83,11 @@ def test_each_replica_sums_whole_blocks(wire, world):
         assert torch.equal(r["sum"], out[0]["sum"])  # the same bytes dequantized everywhere
     # (int8: each of the `world` values rounded by up to 1/254 of its block's largest, the
     # sum once more; the split blocks of before were off by 0.6 to 0.85)
-    assert 0 < out[0]["worst"] < (0.02 if wire == "int8" else 0.1)
-    assert out[0]["bytes"] == quantized_bytes(5 * BLOCK, world)
+    assert 0 < out[0]["worst"] < {"int8": 0.02, "int4": 0.3}.get(wire, 0.1)
+    assert out[0]["bytes"] == quantized_bytes(5 * BLOCK, world, codec(wire))
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_replicas_round_once(wire, world):
     # 2 replicas: one all-gather of each one's buffer, summed as it arrived; more: the
@@ -94,7 +96,8 @@ def test_two_replicas_round_once(wire, world):
     once = [torch.equal(r["sum"], r["rounded_once"]) for r in out]
     assert once == [world == 2] * world
     # the same bytes: a replica's buffer, once (codes and a scale a block)
-    assert out[0]["bytes"] == (4 * BLOCK + 2 * 4 if world == 2 else quantized_bytes(4 * BLOCK, world))
+    code_bytes = 4 * BLOCK // (2 if wire == "int4" else 1)
+    assert out[0]["bytes"] == (code_bytes + 2 * 4 if world == 2 else quantized_bytes(4 * BLOCK, world, codec(wire)))
 
 
 def test_half_precision_tensors_sent_whole_keep_small_values():

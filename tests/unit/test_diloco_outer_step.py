@@ -133,6 +133,18 @@ def test_a_state_of_another_run_is_refused_naming_the_difference():
         DiLoCo(model, opt, inner_steps=4).load_state_dict(state)
     with pytest.raises(ValueError, match="differ in compression"):
         DiLoCo(model, opt, inner_steps=3, compression=EDGCConfig(max_rank=2)).load_state_dict(state)
+    # the int4 wire's error feedback (DiLoCo's, of all of Δ) against the core's, either way
+    int4 = DiLoCo(model, opt, inner_steps=3, compression=EDGCConfig(max_rank=2, wire="int4"))
+    assert int4.error is not None and int4.sync.config.use_error_feedback is False
+    saved4 = int4.state_dict()
+    assert saved4["error"].shape == (sum(p.numel() for p in model.parameters()),)
+    with pytest.raises(ValueError, match="differ in where the error feedback is kept"):
+        DiLoCo(model, opt, inner_steps=3, compression=EDGCConfig(max_rank=2)).load_state_dict(saved4)
+    with pytest.raises(ValueError, match="differ in where the error feedback is kept"):
+        int4.load_state_dict(DiLoCo(model, opt, inner_steps=3, compression=EDGCConfig(max_rank=2)).state_dict())
+    # (without error feedback asked for, the int4 wire keeps none either)
+    assert DiLoCo(model, opt, inner_steps=3, compression=EDGCConfig(max_rank=2, wire="int4",
+                                                                   use_error_feedback=False)).error is None
     other = nn.Linear(6, 5).double()
     with pytest.raises(ValueError, match="saved for a model of"):
         DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.1), inner_steps=3).load_state_dict(state)

@@ -1,5 +1,6 @@
-"""The one-byte wire formats (edgc.comm.wire): rounding within the format's step, scales
-per block, non-finite values kept non-finite, and the config's refusals."""
+"""The quantized wire formats (edgc.comm.wire): rounding within the format's step, scales
+per block, 4-bit codes packed two a byte, non-finite values kept non-finite, and the
+config's refusals."""
 
 import math
 
@@ -12,19 +13,22 @@ from edgc.comm.wire import BLOCK, _bf16_up, codec, column_length, dequantize, qu
 from edgc.config import with_added_fields
 
 
+@pytest.mark.parametrize("wire,code_bytes", [("int8", lambda n: n), ("int4", lambda n: (n + 1) // 2)])
 @pytest.mark.parametrize("n", [0, 1, BLOCK - 1, BLOCK, 3 * BLOCK + 17])
-def test_int8_rounds_each_block_to_its_own_step(n):
-    code = codec("int8")
+def test_integer_codes_round_each_block_to_its_own_step(wire, code_bytes, n):
+    code = codec(wire)
     x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
     x[: min(n, BLOCK)] *= 1000  # one loud block must not drown the others
     data = quantize(x, code)
-    assert data.dtype == torch.uint8 and data.numel() == n + 2 * math.ceil(n / BLOCK)  # a bf16 scale a block
+    assert data.dtype == torch.uint8
+    assert data.numel() == code_bytes(n) + 2 * math.ceil(n / BLOCK)  # a bf16 scale a block
     y = dequantize(data, n, code, torch.float64)
     for start in range(0, n, BLOCK):
         block, back = x[start : start + BLOCK], y[start : start + BLOCK]
-        # (the scale, absmax / 127, rounded up to a bfloat16: by less than 2^-7 of itself)
-        step = float(block.abs().max()) / 127
+        # (the scale, absmax / 127 or / 7, rounded up to a bfloat16: by less than 2^-7 of itself)
+        step = float(block.abs().max()) / code.limit
         assert float((back - block).abs().max()) <= step / 2 * (1 + 2**-7)
+        assert float((back - block).abs().max()) > 0 or n == 0
 
 
 def test_fp8_keeps_relative_precision_and_zeros():
@@ -37,7 +41,7 @@ def test_fp8_keeps_relative_precision_and_zeros():
     assert torch.equal(y[BLOCK:], torch.zeros(BLOCK))  # an all-zero block: scale 1, codes 0
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_value_makes_its_block_non_finite(wire, bad):
     code = codec(wire)
@@ -80,21 +84,33 @@ def _reference_codes(x, code):
     return codes.to(code.dtype).view(-1)[: x.numel()], scale.view(-1)
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+def _reference_bytes(codes, code):
+    """The bytes of `codes` as the format stores them: one a byte, or 4-bit codes two a
+    byte, each plus 8, the even element's in the low half (an odd count's last high half 8)."""
+    if code.bits == 8:
+        return codes.view(torch.uint8)
+    offset = torch.nn.functional.pad(codes.long() + 8, (0, codes.numel() % 2), value=8)
+    return (offset[0::2] + 16 * offset[1::2]).to(torch.uint8)
+
+
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_codec_matches_the_format_across_its_passes_and_adds_in_place(wire, dtype):
-    # longer than the codec's CPU pass of 8192 blocks, with a short last block: every pass's
-    # blocks and the tail are coded by the format's definition, into a buffer given
+    # longer than the codec's CPU pass of 8192 blocks, with a short last block of an odd
+    # length: every pass's blocks and the tail are coded by the format's definition, into a
+    # buffer given
     code = codec(wire)
     n = 2 * 8192 * BLOCK + 3 * BLOCK + 11
+    nbytes = code.code_bytes(n)
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(4) * 1e-2).to(dtype)
     x[BLOCK : 2 * BLOCK] = 0
-    out = torch.full((n + 2 * math.ceil(n / BLOCK),), 77, dtype=torch.uint8)
+    out = torch.full((nbytes + 2 * math.ceil(n / BLOCK),), 77, dtype=torch.uint8)
     assert quantize(x, code, out=out) is out
     codes, scales = _reference_codes(x, code)
-    assert torch.equal(out[:n].view(code.dtype).view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(out[n:].clone().view(torch.bfloat16).float(), scales)
+    assert code.dtype != torch.int8 or int(codes.abs().max()) == code.limit  # (every code used)
+    assert torch.equal(out[:nbytes], _reference_bytes(codes, code))
+    assert torch.equal(out[nbytes:].clone().view(torch.bfloat16).float(), scales)
     # decoded and added in float32: each product exact, so one rounding of the sum
     y = (torch.randn(n, generator=gen) * 1e-3).to(dtype)
     other = quantize(y, code)
@@ -140,12 +156,18 @@ def test_byte_counts():
     # a sum over 4 replicas: each replica's chunk a whole number of blocks, so 1000
     # elements in 4 chunks of 256, each with 8 scales
     assert quantized_bytes(1000, 4) == 4 * (256 + 2 * 8)
+    # int4: two codes a byte, the same scales
+    assert wire_bytes(1000, 4, "int4") == 500 + 2 * 32
+    assert wire_bytes(33, 4, "int4") == 17 + 2 * 2  # (an odd count's last byte holds one code)
+    assert quantized_bytes(1000, 4, codec("int4")) == 4 * (128 + 2 * 8)
+    assert quantized_bytes(1000, 2, codec("int4")) == 500 + 2 * 32
     assert codec("native") is None and codec("bf16") is None
 
 
 def test_config_refusals():
     with pytest.raises(ValueError, match="wire"):
-        EDGCConfig(max_rank=8, wire="int4")
+        EDGCConfig(max_rank=8, wire="int2")
+    assert EDGCConfig.from_dict(EDGCConfig(wire="int4").to_flat()).wire == "int4"
     assert EDGCConfig.from_dict(EDGCConfig(wire="fp8").to_flat()).wire == "fp8"
 
 

@@ -30,6 +30,12 @@ Formats:
   so the sum is bit-identical on all of them. The wire then carries (1 + 2 / BLOCK) bytes an
   element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
   buffer of that many bytes would.
+- "int4": the same blocks and sums with 4-bit codes, two an element pair in a byte
+  (round-to-nearest in [-7, 7], absmax / 7 scales): (1/2 + 2 / BLOCK) bytes an element.
+  A code step is 1/7 of its block's largest magnitude, 18 times int8's, so what a
+  tensor sent whole loses to it is no longer small: edgc-diloco, which sends whole
+  tensors on it, keeps error feedback for all of them (edgc.diloco); a per-step sync
+  keeps none (below).
 
 `WireFormat` is a format as an object: its alignment and byte counts, the dtype of its
 factor buffers, and `start_sum`, which issues a sum's first collective and returns it as a
@@ -48,9 +54,9 @@ holds the end of a large column and the start of a small one.
 For the factors, the error feedback absorbs what the rounding loses: it is M minus the
 reconstruction from the factors as they arrived, summed and dequantized (edgc.comm.step),
 so what was sent plus what is kept equals the input, in any format. A tensor sent whole
-keeps no error feedback: its rounding, at most half a code step (1/254 of its block's
-largest magnitude for int8; twice with more than 2 replicas), is lost, as in quantized
-all-reduces of gradients.
+keeps no error feedback in the core: its rounding, at most half a code step (1/254 of its
+block's largest magnitude for int8, 1/14 for int4; twice with more than 2 replicas), is
+lost, as in quantized all-reduces of gradients.
 
 A sum that is inf or nan stays so: a block holding one has a non-finite scale, which makes
 every element of the block non-finite when dequantized, on every replica, so the step's
@@ -69,12 +75,15 @@ import torch.distributed as dist
 
 from edgc.config import WIRE_FORMATS
 
-__all__ = ["BLOCK", "AllReduceSum", "Codec", "GatheredSum", "QuantizedSum", "WireFormat", "WireSum",
+__all__ = ["BLOCK", "QUANTIZED", "AllReduceSum", "Codec", "GatheredSum", "QuantizedSum", "WireFormat", "WireSum",
            "alignment", "codec", "column_length", "dequantize", "is_quantized", "quantize", "quantized_bytes",
            "wire_bytes", "wire_format", "working_dtype"]
 
 #: Elements per scale of a quantized buffer.
 BLOCK = 32
+
+#: The formats that send codes with a scale a block.
+QUANTIZED = ("int8", "int4", "fp8")
 
 #: float8 e4m3 (no infinities) where this torch has it.
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -82,18 +91,29 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 @dataclass(frozen=True)
 class Codec:
-    """A one-byte code: its dtype and the largest magnitude it holds."""
+    """A code: the dtype its values are rounded in, the largest magnitude it holds, and
+    its bits (8: a code a byte, in `dtype`; 4: two a byte, packed)."""
 
     name: str
     dtype: torch.dtype
     limit: float
+    bits: int = 8
+
+    def code_bytes(self, numel: int) -> int:
+        """The bytes `numel` codes take (a 4-bit code's last byte may hold one)."""
+        return numel if self.bits == 8 else (numel + 1) // 2
+
+
+_INT8 = Codec("int8", torch.int8, 127.0)
 
 
 def codec(wire: str) -> Codec | None:
-    """The codec of a quantized wire format ("int8", "fp8"); None for the others. Raises
-    ValueError for "fp8" on a torch without float8_e4m3fn."""
+    """The codec of a quantized wire format ("int8", "int4", "fp8"); None for the others.
+    Raises ValueError for "fp8" on a torch without float8_e4m3fn."""
     if wire == "int8":
-        return Codec("int8", torch.int8, 127.0)
+        return _INT8
+    if wire == "int4":
+        return Codec("int4", torch.int8, 7.0, bits=4)
     if wire == "fp8":
         if _FP8 is None:
             raise ValueError(f"wire='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; "
@@ -117,13 +137,13 @@ class WireFormat:
 
     @property
     def codec(self) -> Codec | None:
-        """The one-byte code of a quantized format; None for the others."""
+        """The code of a quantized format; None for the others."""
         return codec(self.name)
 
     @property
     def quantized(self) -> bool:
-        """Whether it sends one byte an element with a scale a block ("int8", "fp8")."""
-        return self.name in ("int8", "fp8")
+        """Whether it sends codes with a scale a block ("int8", "int4", "fp8")."""
+        return self.name in QUANTIZED
 
     @property
     def alignment(self) -> int:
@@ -151,8 +171,9 @@ class WireFormat:
         """The bytes a buffer of `numel` elements in a gradient dtype of `element_size`
         bytes puts on the wire (as edgc counts bytes: the buffer handed to an all-reduce,
         or its quantized equivalent)."""
-        if self.quantized:
-            return _row_bytes(numel)
+        code = self.codec
+        if code is not None:
+            return _row_bytes(numel, code)
         if self.name == "bf16":
             return 2 * numel
         return element_size * numel
@@ -161,8 +182,9 @@ class WireFormat:
         """The bytes `start_sum` of `flat` over `world` replicas hands over (what edgc
         counts as sent): every chunk's codes and scales for a quantized format (nothing
         with one replica), else the buffer in the format's dtype."""
-        if self.quantized:
-            return 0 if world == 1 else quantized_bytes(flat.numel(), world)
+        code = self.codec
+        if code is not None:
+            return 0 if world == 1 else quantized_bytes(flat.numel(), world, code)
         return self.bytes(flat.numel(), flat.element_size())
 
     def start_sum(self, flat: torch.Tensor, group: dist.ProcessGroup | None, world: int,
@@ -188,7 +210,7 @@ def wire_format(wire: str | WireFormat) -> WireFormat:
 
 
 def is_quantized(wire: str | WireFormat) -> bool:
-    """Whether format `wire` sends one byte an element with a scale a block ("int8", "fp8")."""
+    """Whether format `wire` sends codes with a scale a block ("int8", "int4", "fp8")."""
     return wire_format(wire).quantized
 
 
@@ -216,24 +238,25 @@ def _chunk(numel: int, world: int) -> int:
     return BLOCK * math.ceil(numel / (world * BLOCK))
 
 
-def _row_bytes(numel: int) -> int:
-    """The bytes `quantize` makes of `numel` elements: a code each, a bfloat16 scale a block."""
-    return numel + 2 * math.ceil(numel / BLOCK)
+def _row_bytes(numel: int, code: Codec) -> int:
+    """The bytes `quantize` makes of `numel` elements: their codes, a bfloat16 scale a block."""
+    return code.code_bytes(numel) + 2 * math.ceil(numel / BLOCK)
 
 
-def quantized_bytes(numel: int, world: int) -> int:
-    """The bytes a quantized sum of `numel` elements over `world` replicas hands over:
-    every chunk's codes and scales (what edgc counts as sent); with 2 replicas, each one's
-    whole buffer."""
+def quantized_bytes(numel: int, world: int, code: Codec | None = None) -> int:
+    """The bytes a quantized sum of `numel` elements over `world` replicas hands over in
+    `code` (int8's when None): every chunk's codes and scales (what edgc counts as sent);
+    with 2 replicas, each one's whole buffer."""
+    code = code if code is not None else _INT8
     if world == 2:
-        return _row_bytes(numel)
-    return world * _row_bytes(_chunk(numel, world))
+        return _row_bytes(numel, code)
+    return world * _row_bytes(_chunk(numel, world), code)
 
 
 def quantize(x: torch.Tensor, code: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x` (1-D) as bytes: its codes, then one bfloat16 scale per block of BLOCK elements
-    (the last block may be short), in one uint8 tensor of `_row_bytes(len(x))` bytes
-    (`out`, when given).
+    """`x` (1-D) as bytes: its codes (a byte each, or two 4-bit codes a byte, the first in
+    the low half), then one bfloat16 scale per block of BLOCK elements (the last block may
+    be short), in one uint8 tensor of `_row_bytes(len(x), code)` bytes (`out`, when given).
 
     Each block's scale comes from a max and a min (no |x| tensor). The codes are divided,
     rounded and stored a slice of blocks at a time (on CPU; `_rows_per_pass`) through one
@@ -244,11 +267,10 @@ def quantize(x: torch.Tensor, code: Codec, out: torch.Tensor | None = None) -> t
     Only a short last block is padded."""
     n = x.numel()
     if out is None:
-        out = torch.empty(_row_bytes(n), dtype=torch.uint8, device=x.device)
-    codes = out[:n].view(code.dtype)
+        out = torch.empty(_row_bytes(n, code), dtype=torch.uint8, device=x.device)
     work_dtype = torch.promote_types(x.dtype, torch.float32)
     scales = []
-    for blocks, dest in _blocks(x, codes):
+    for blocks, dest in zip(_split(x), _code_rows(out, n, code), strict=True):
         if blocks.shape[1] < BLOCK:  # (a short last block: padded with zeros, a copy of < BLOCK values)
             blocks = torch.nn.functional.pad(blocks, (0, BLOCK - blocks.shape[1]))
         step = _rows_per_pass(blocks)
@@ -270,12 +292,27 @@ def quantize(x: torch.Tensor, code: Codec, out: torch.Tensor | None = None) -> t
             torch.div(rows, rows_scale, out=work)
             if code.dtype == torch.int8:
                 work.round_()
-            dest[lo : lo + step].copy_(work[:, : dest.shape[1]])  # (the cast to the code)
+            packed = work if code.bits == 8 else _pack(work)
+            dest[lo : lo + step].copy_(packed[:, : dest.shape[1]])  # (the cast to the code)
         if scale is not None:
             scales.append(scale)
     if scales:  # (none for an empty x)
-        out[n:].copy_(torch.cat(scales).to(torch.bfloat16).view(-1).view(torch.uint8))
+        out[code.code_bytes(n) :].copy_(torch.cat(scales).to(torch.bfloat16).view(-1).view(torch.uint8))
     return out
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """(rows, BLOCK) whole numbers in [-7, 7] as (rows, BLOCK / 2) bytes of two 4-bit codes,
+    each stored plus 8 (1 to 15), the even element's in the low half. (A non-finite value's
+    code may be anything: its block's scale is non-finite too, which decoding keeps.)"""
+    halves = (codes + 8).to(torch.uint8).view(len(codes), -1, 2)
+    return halves[..., 0] | (halves[..., 1] << 4)
+
+
+def _unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """`_pack`'s bytes (rows, k) as the first `width` of their 2k codes, int8 in [-7, 7]."""
+    halves = torch.stack((packed & 15, packed >> 4), dim=-1).view(len(packed), -1)[:, :width]
+    return halves.to(torch.int8) - 8
 
 
 def _scale(blocks: torch.Tensor, code: Codec) -> torch.Tensor:
@@ -293,15 +330,28 @@ def _rows_per_pass(blocks: torch.Tensor) -> int:
     return 8192 if blocks.device.type == "cpu" else max(len(blocks), 1)
 
 
-def _blocks(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """1-D `x` and `y` of one length as pairs of (blocks, BLOCK) views: their whole blocks,
-    then a short last block's (1, length % BLOCK) views, where there is one."""
+def _split(x: torch.Tensor) -> list[torch.Tensor]:
+    """1-D `x` as (blocks, BLOCK) views: its whole blocks, then a short last block's
+    (1, length % BLOCK) view, where there is one."""
     n = x.numel()
     full = n - n % BLOCK
-    pairs = [(x[:full].view(-1, BLOCK), y[:full].view(-1, BLOCK))] if full else []
+    views = [x[:full].view(-1, BLOCK)] if full else []
     if full < n:
-        pairs.append((x[full:].view(1, -1), y[full:].view(1, -1)))
-    return pairs
+        views.append(x[full:].view(1, -1))
+    return views
+
+
+def _code_rows(data: torch.Tensor, numel: int, code: Codec) -> list[torch.Tensor]:
+    """The codes of `numel` elements at the start of bytes `data`, as views in step with
+    `_split`'s: (blocks, BLOCK) codes of the code's dtype for a one-byte code, (blocks,
+    BLOCK / 2) packed bytes for 4 bits; then a short last block's (1, ...) view."""
+    if code.bits == 8:
+        return _split(data[:numel].view(code.dtype))
+    full = numel - numel % BLOCK
+    rows = [data[: full // 2].view(-1, BLOCK // 2)] if full else []
+    if full < numel:
+        rows.append(data[full // 2 : code.code_bytes(numel)].view(1, -1))
+    return rows
 
 
 def _bf16_up(x: torch.Tensor) -> torch.Tensor:
@@ -320,34 +370,40 @@ def dequantize(data: torch.Tensor, numel: int, code: Codec, dtype: torch.dtype, 
     `out` (1-D, `numel` elements, of `dtype`) when given, added to what it holds when `add`.
     A code times its bfloat16 scale is exact in float32 (at most 8 + 8 significant bits), so
     adding it to `out` in one fused step rounds as adding the product would."""
-    scales = data[numel:].clone().view(torch.bfloat16)  # (copied: a view needs 2-byte alignment)
-    return _decode(data[:numel].view(code.dtype), scales, dtype, out, add)
+    scales = data[code.code_bytes(numel) :].clone().view(torch.bfloat16)  # (copied: a view needs 2-byte alignment)
+    return _decode(data, numel, code, scales, dtype, out, add)
 
 
-def _decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None,
-            add: bool) -> torch.Tensor:
-    """`dequantize` of codes (1-D, of the code's dtype) and their blocks' bfloat16 `scales`
-    (one per block, possibly more than the codes' blocks: the rest are not read), each
-    product taken in `dtype` and stored in `out`'s (which may be narrower: one rounding).
-    In place, with no temporary of the whole buffer's size (`quantize`): the codes are
-    widened into `out` and scaled there, or, to add, into a small scratch a pass at a time."""
+def _decode(data: torch.Tensor, numel: int, code: Codec, scales: torch.Tensor, dtype: torch.dtype,
+            out: torch.Tensor | None, add: bool) -> torch.Tensor:
+    """`dequantize` of the codes of `numel` elements at the start of bytes `data` and their
+    blocks' bfloat16 `scales` (one per block, possibly more than the codes' blocks: the
+    rest are not read), each product taken in `dtype` and stored in `out`'s (which may be
+    narrower: one rounding). In place, with no temporary of the whole buffer's size
+    (`quantize`): one-byte codes are widened into `out` and scaled there; to add, and
+    4-bit codes always, they are unpacked and widened into a small scratch a pass at a time."""
     if out is None:
-        out = torch.zeros(codes.numel(), dtype=dtype, device=codes.device) if add else \
-            torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    full = codes.numel() // BLOCK
+        out = torch.zeros(numel, dtype=dtype, device=data.device) if add else \
+            torch.empty(numel, dtype=dtype, device=data.device)
+    full = numel // BLOCK
     scale = scales.to(dtype).view(-1, 1)
-    parts = ([scale[:full]] if full else []) + ([scale[full : full + 1]] if codes.numel() % BLOCK else [])
-    for (block_codes, dest), block_scale in zip(_blocks(codes, out), parts, strict=True):
-        if not add:
-            dest.copy_(block_codes)  # (a code is exact in any floating dtype)
+    parts = ([scale[:full]] if full else []) + ([scale[full : full + 1]] if numel % BLOCK else [])
+    for rows, dest, block_scale in zip(_code_rows(data, numel, code), _split(out), parts, strict=True):
+        if not add and code.bits == 8:
+            dest.copy_(rows)  # (a code is exact in any floating dtype)
             dest.mul_(block_scale)
             continue
-        step = _rows_per_pass(block_codes)
-        scratch = torch.empty((min(step, len(block_codes)), block_codes.shape[1]), dtype=dtype, device=codes.device)
-        for lo in range(0, len(block_codes), step):
-            widened = scratch[: len(block_codes[lo : lo + step])]
-            widened.copy_(block_codes[lo : lo + step])
-            dest[lo : lo + step].addcmul_(widened, block_scale[lo : lo + step])
+        step = _rows_per_pass(rows)
+        scratch = torch.empty((min(step, len(rows)), dest.shape[1]), dtype=dtype, device=data.device)
+        for lo in range(0, len(rows), step):
+            codes = rows[lo : lo + step]
+            widened = scratch[: len(codes)]
+            widened.copy_(codes if code.bits == 8 else _unpack(codes, dest.shape[1]))
+            if add:
+                dest[lo : lo + step].addcmul_(widened, block_scale[lo : lo + step])
+            else:
+                torch.mul(widened, block_scale[lo : lo + step], out=widened)
+                dest[lo : lo + step].copy_(widened)
     return out
 
 
@@ -391,9 +447,9 @@ class GatheredSum(WireSum):
 
     def __init__(self, flat: torch.Tensor, code: Codec, group: dist.ProcessGroup | None) -> None:
         self.flat, self.code = flat, code
-        self.row = _row_bytes(flat.numel())
+        self.row = _row_bytes(flat.numel(), code)
         self.gathered = torch.empty(2 * self.row, dtype=torch.uint8, device=flat.device)
-        # collective: all-gather of each replica's buffer, (1 + 2 / BLOCK) bytes per element
+        # collective: all-gather of each replica's buffer, (bits / 8 + 2 / BLOCK) bytes per element
         self.work = _all_gather(self.gathered, quantize(flat, code), group)
 
     def advance(self) -> bool:
@@ -422,13 +478,13 @@ class QuantizedSum(WireSum):
         n = flat.numel()
         self.chunk = chunk = _chunk(n, world)  # elements per replica's chunk
         padded = torch.nn.functional.pad(flat, (0, world * chunk - n))
-        self.row = row = _row_bytes(chunk)  # one chunk's bytes (codes and scales)
+        self.row = row = _row_bytes(chunk, code)  # one chunk's bytes (codes and scales)
         send = torch.empty(world * row, dtype=torch.uint8, device=flat.device)
         for piece, dest in zip(padded.split(chunk), send.split(row), strict=True):
             quantize(piece, code, out=dest)
         self.recv = torch.empty_like(send)
         self.gathered: torch.Tensor | None = None
-        # collective: all-to-all of (1 + 2 / BLOCK) bytes per element: chunk j to replica j
+        # collective: all-to-all of (bits / 8 + 2 / BLOCK) bytes per element: chunk j to replica j
         self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
 
     def advance(self) -> bool:
@@ -460,7 +516,7 @@ class QuantizedSum(WireSum):
             count = min(chunk, n - j * chunk)
             if count <= 0:
                 break
-            _decode(piece[:count].view(code.dtype), piece[chunk:].clone().view(torch.bfloat16), sum_dtype,
+            _decode(piece, count, code, piece[code.code_bytes(chunk) :].clone().view(torch.bfloat16), sum_dtype,
                     flat[j * chunk : j * chunk + count], add=False)
 
 
