@@ -32,13 +32,13 @@ outer momentum does not predict is compressed: Δ minus its least-squares fit to
 buffer, tensor by tensor (a number per tensor more on the wire, no more memory).
 
 On the int4 wire (`EDGCConfig(wire="int4")`: 4-bit codes, a code step 1/7 of a block's
-largest value) DiLoCo keeps the error feedback of all of Δ itself, and the core none: each
-replica adds its kept error to what it sends, and keeps what it sent less what every replica
-applied, for the matrices the core compresses (as the core would: M - P Qᵀ) and for the
-tensors it sends whole alike. The core keeps none for a tensor sent whole, which on the
-one-byte wires loses at most 1/254 of its block's largest value a sync; at 4 bits, 1/14.
-One buffer of the model's size in float32 (the core's own would cover only the
-compressed matrices).
+largest value) DiLoCo keeps the error feedback of all of Δ itself, and the core none. Each
+replica adds its kept error M - sent to the next pseudo-gradient: for a matrix the core
+compressed, M less the average applied (what the core would keep, M - P Qᵀ); for a tensor
+it sent whole, M less this replica's own 4-bit rounding of it (`_keep_error`). The core
+keeps none for a tensor sent whole, which on the one-byte wires loses at most 1/254 of its
+block's largest value a sync, at 4 bits 1/14. One buffer of the model's size in float32
+(the core's own would cover only the compressed matrices).
 
 Memory: θ and the momentum (two float32 copies of the model) on every replica, and with
 compression edgc's state (error feedback and Q; on the int4 wire a third copy, the error
@@ -66,6 +66,7 @@ from torch import nn
 
 from edgc.comm.stats import EDGCStats
 from edgc.comm.timing import LapSum, start_lap
+from edgc.comm.wire import codec, dequantize, quantize
 from edgc.config import EDGCConfig
 from edgc.safeload import load_torch
 
@@ -170,8 +171,8 @@ class DiLoCo:
                 self.error.copy_(delta)
             future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             self.sync.receive(delta, self._entries, future, True)
-            if self.error is not None:  # error = M - the average applied
-                self.error.sub_(delta)
+            if self.error is not None:
+                self._keep_error(delta, world)
             if fit is not None:
                 _shift(delta, fit, 1)
         elif world > 1:
@@ -183,6 +184,27 @@ class DiLoCo:
             g.grad = None
             p.copy_(g)
         self.outer_steps += 1
+
+    def _keep_error(self, applied: torch.Tensor, world: int) -> None:
+        """The int4 wire's new error feedback, in `self.error`, which holds M: for a matrix
+        the core compressed, M less the average applied (the core's own kind, M - P Qᵀ); for
+        a tensor sent whole, M less this replica's own 4-bit rounding of it, which is what it
+        put on the wire (each tensor starts a block of its own there). With 2 replicas the
+        average is exactly the mean of those roundings, so what every replica sent less what
+        it kept averages to what was applied; with more, the sum is rounded a second time
+        (edgc.comm.wire), which nobody keeps. Keeping M less the average for a whole tensor
+        instead would carry each replica's difference from the average into its next
+        pseudo-gradient, and sum those differences over the outer steps."""
+        code = codec("int4")
+        assert code is not None and self.error is not None
+        compression = self.sync.compression
+        compressed = compression.compressed_slots() if self.sync.step_rank > 0 else set()
+        sizes = [p.numel() for p in self.params]
+        for k, (e, a) in enumerate(zip(self.error.split(sizes), applied.split(sizes), strict=True)):
+            if world == 1 or compression.slot_of(self._entries[k][0]) in compressed:
+                e.sub_(a)
+            else:
+                e.sub_(dequantize(quantize(e, code), e.numel(), code, e.dtype))
 
     def _momentum_fit(self, delta: torch.Tensor, world: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """edgc-diloco: the part of the average Δ that the outer momentum b predicts, c b per

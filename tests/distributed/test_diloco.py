@@ -63,6 +63,11 @@ def test_int4_wire_keeps_what_every_replica_sent_less_what_was_applied():
         mine, other = out[0]["sent"][t][-40:], out[1]["sent"][t][-40:]
         lost = float(((mine + other) / 2 - out[0]["applied"][t][-40:]).abs().max())
         assert 0 < lost <= (float(mine.abs().max()) + float(other.abs().max())) / 28 * (1 + 2**-7)
+        # and each replica keeps only its own rounding of it, not its difference from the
+        # average (which the next outer steps would sum)
+        for r in out:
+            kept, sent = r["kept"][t][-40:], r["sent"][t][-40:]
+            assert 0 < float(kept.abs().max()) <= float(sent.abs().max()) / 14 * (1 + 2**-7)
 
 
 @pytest.mark.parametrize("compression", [None, EDGC, EDGC_INT4], ids=["diloco", "edgc-diloco", "edgc-diloco-int4"])

@@ -83,6 +83,14 @@ class CompressionState:
         """Whether any tensor has its slot."""
         return bool(self._slot_of)
 
+    def slot_of(self, key: Hashable) -> int:
+        """The slot of a declared or assigned parameter's key."""
+        return self._slot_of[key]
+
+    def compressed_slots(self) -> set[int]:
+        """The slots a compressed step compresses (every group's); the rest go whole."""
+        return {s for g in self.groups.values() for s in g.slots}
+
     def _new_slot(self, key: Hashable, shape: tuple[int, ...]) -> int:
         """The slot of `key`, given the next free one if it has none."""
         if key not in self._slot_of:
