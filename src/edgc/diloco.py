@@ -188,14 +188,15 @@ class DiLoCo:
     def _keep_error(self, applied: torch.Tensor, world: int) -> None:
         """The int4 wire's new error feedback, in `self.error`, which holds M: for a matrix
         the core compressed, M less the average applied (the core's own kind, M - P Qᵀ); for
-        a tensor sent whole, M less this replica's own 4-bit rounding of it, which is what it
-        put on the wire (each tensor starts a block of its own there). With 2 replicas the
+        a tensor sent whole, M less this replica's own rounding of it, which is what it put
+        on the wire (each tensor starts a block of its own there; 4-bit codes, or on an
+        uncompressed step such as the warm-up's one-byte ones). With 2 replicas the
         average is exactly the mean of those roundings, so what every replica sent less what
         it kept averages to what was applied; with more, the sum is rounded a second time
         (edgc.comm.wire), which nobody keeps. Keeping M less the average for a whole tensor
         instead would carry each replica's difference from the average into its next
         pseudo-gradient, and sum those differences over the outer steps."""
-        code = codec("int4")
+        code = codec("int4" if self.sync.step_rank > 0 else "int8")  # (an uncompressed step's: edgc.comm.step)
         assert code is not None and self.error is not None
         compression = self.sync.compression
         compressed = compression.compressed_slots() if self.sync.step_rank > 0 else set()

@@ -69,8 +69,12 @@ def control_values(info: Any, config: Any, *, local_finite: bool, sample: torch.
 def warmup_errors(control: torch.Tensor, norm: str) -> tuple[float, float]:
     """The warm-up check's errors at r_min and r_max from a control vector summed (or
     averaged) over its group: one ratio of the pooled sums, not a mean of each process's
-    ratio, so that a small shard with a large relative error weighs by its size; nan when
-    no process had a compressible matrix."""
+    ratio, so that a small shard with a large relative error weighs by its size; 0 when no
+    process had a compressible matrix (or one with a nonzero gradient): low rank then loses
+    nothing, and the check passes (a model whose every matrix goes whole at r_max, such as
+    `tiny` under edgc-diloco at rank 64, would otherwise warm up for warmup_steps)."""
+    if float(control[ERR_TOTAL]) == 0.0:
+        return 0.0, 0.0
     eps_min, eps_max = lowrank_errors_from_sums([float(control[ERR_MIN]), float(control[ERR_MAX]),
                                                  float(control[ERR_TOTAL])], norm)
     return eps_min, eps_max

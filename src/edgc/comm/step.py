@@ -17,12 +17,12 @@ collectives per gradient dtype in flight at a time:
     complete   wait; Q /= W; then, once the step is known finite (below),
                error = M - P Q^T and G = P Q^T
 
-(a step sent uncompressed has one all-reduce per unit, completed like a Q). With a
-quantized wire format (EDGCConfig.wire, edgc.comm.wire) the sums of P and Q are each a
-reduce-scatter issued where the all-reduce would be and an all-gather issued at its wait;
-everything else is unchanged. A unit's
-arithmetic reads only its own slots, so how the gradient is cut into units changes the
-average only through the float order of the sums.
+(a step sent uncompressed has one all-reduce per unit, completed like a Q; on the int4
+wire it travels at int8). With a quantized wire format (EDGCConfig.wire, edgc.comm.wire)
+the sums of P and Q are each a reduce-scatter issued where the all-reduce would be and an
+all-gather issued at its wait; everything else is unchanged. A unit's arithmetic reads
+only its own slots, so how the gradient is cut into units changes the average only
+through the float order of the sums.
 
 Three modes (GradientSync.mode: EDGCConfig.sync_mode's two, or "eager" for an adapter):
 - "whole-step": the whole gradient is one unit, started when DDP hands over its last
@@ -249,6 +249,8 @@ class StepSync:
         """Set up what the step's plan decides: its groups, units and samples."""
         compression, config, eager = self.compression, self.config, self.mode == "eager"
         self.info = info
+        if not info.compressed and self.wire.name == "int4":  # (no error feedback keeps its rounding: wire.py)
+            self.wire = wire_format("int8")
         self.groups = groups = list(compression.groups.values()) if info.compressed else []
         plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
         whole = self.mode == "whole-step"
@@ -413,9 +415,8 @@ class StepSync:
         return r
 
     def _part(self, part: PartPlan) -> _Part:
-        """A unit's matrices of one group, as one batch where they lie at one stride in one
-        bucket; where the gradient is in the working dtype, M = G + error is written into it
-        now (see "Memory")."""
+        """A unit's matrices of one group, one batch where they lie at one stride in a bucket;
+        in the working dtype, M = G + error is written into the gradient now ("Memory")."""
         g = part.group
         grads = [self.grads[s].view(g.shape) for s in part.slots]
         batch = strided_batch(grads)
@@ -446,8 +447,7 @@ class StepSync:
         return m
 
     def _sum(self, flat: torch.Tensor) -> Issued:
-        """Issue the sum of a buffer (factors, or tensors sent whole) over the replicas, in
-        the wire format: quantized, rounded to bf16, or as it is."""
+        """Issue the sum of a buffer (factors, or tensors sent whole) in the step's wire format."""
         return self.collectives.sum_in(flat, self.wire)
 
     def _watch(self, flats: list[torch.Tensor]) -> None:
