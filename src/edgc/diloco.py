@@ -35,9 +35,10 @@ On the int4 wire (`EDGCConfig(wire="int4")`: 4-bit codes, a code step 1/7 of a b
 largest value) DiLoCo keeps the error feedback of all of Δ itself, and the core none. Each
 replica adds its kept error M - sent to the next pseudo-gradient: for a matrix the core
 compressed, M less the average applied (what the core would keep, M - P Qᵀ); for a tensor
-it sent whole, M less this replica's own 4-bit rounding of it (`_keep_error`). The core
-keeps none for a tensor sent whole, which on the one-byte wires loses at most 1/254 of its
-block's largest value a sync, at 4 bits 1/14. One buffer of the model's size in float32
+it sent whole, M less this replica's own rounding of it (4-bit codes, or int8 ones on the
+uncompressed steps of the warm-up, which the core sends so: `_keep_error`). The core keeps
+none for a tensor sent whole, which at int8 loses at most 1/254 of its block's largest
+value a sync, at 4 bits 1/14. One buffer of the model's size in float32
 (the core's own would cover only the compressed matrices).
 
 Memory: θ and the momentum (two float32 copies of the model) on every replica, and with

@@ -30,12 +30,12 @@ Formats:
   so the sum is bit-identical on all of them. The wire then carries (1 + 2 / BLOCK) bytes an
   element in a ring's pattern, (W - 1) / W of the buffer each way, as an all-reduce of a
   buffer of that many bytes would.
-- "int4": the same blocks and sums with 4-bit codes, two an element pair in a byte
-  (round-to-nearest in [-7, 7], absmax / 7 scales): (1/2 + 2 / BLOCK) bytes an element.
-  A code step is 1/7 of its block's largest magnitude, 18 times int8's, so what a
-  tensor sent whole loses to it is no longer small: edgc-diloco, which sends whole
-  tensors on it, keeps error feedback for all of them (edgc.diloco); a per-step sync
-  keeps none (below).
+- "int4": the same blocks and sums with 4-bit codes, two to a byte (round-to-nearest in
+  [-7, 7], absmax / 7 scales): (1/2 + 2 / BLOCK) bytes an element. A code step is 1/7 of
+  its block's largest magnitude, 18 times int8's, so what a tensor sent whole loses to it
+  is no longer small. An uncompressed step (the warm-up's) travels at int8 instead
+  (edgc.comm.step); in a compressed step the tensors sent whole go at 4 bits with no
+  error feedback in the core (below), which edgc-diloco keeps itself (edgc.diloco).
 
 `WireFormat` is a format as an object: its alignment and byte counts, the dtype of its
 factor buffers, and `start_sum`, which issues a sum's first collective and returns it as a
