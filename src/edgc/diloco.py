@@ -67,7 +67,7 @@ from torch import nn
 
 from edgc.comm.stats import EDGCStats
 from edgc.comm.timing import LapSum, start_lap
-from edgc.comm.wire import codec, dequantize, quantize
+from edgc.comm.wire import dequantize, quantize, wire_format
 from edgc.config import EDGCConfig
 from edgc.safeload import load_torch
 
@@ -197,7 +197,8 @@ class DiLoCo:
         (edgc.comm.wire), which nobody keeps. Keeping M less the average for a whole tensor
         instead would carry each replica's difference from the average into its next
         pseudo-gradient, and sum those differences over the outer steps."""
-        code = codec("int4" if self.sync.step_rank > 0 else "int8")  # (an uncompressed step's: edgc.comm.step)
+        fmt = wire_format(self.sync.config.wire)
+        code = (fmt if self.sync.step_rank > 0 else fmt.uncompressed).codec  # (the step's format: edgc.comm.step)
         assert code is not None and self.error is not None
         compression = self.sync.compression
         compressed = compression.compressed_slots() if self.sync.step_rank > 0 else set()

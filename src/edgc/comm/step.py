@@ -249,8 +249,8 @@ class StepSync:
         """Set up what the step's plan decides: its groups, units and samples."""
         compression, config, eager = self.compression, self.config, self.mode == "eager"
         self.info = info
-        if not info.compressed and self.wire.name == "int4":  # (no error feedback keeps its rounding: wire.py)
-            self.wire = wire_format("int8")
+        if not info.compressed:
+            self.wire = self.wire.uncompressed  # (int4's at int8: WireFormat.uncompressed)
         self.groups = groups = list(compression.groups.values()) if info.compressed else []
         plan = compression.units if not eager else None  # (eager: each buffer is its own unit)
         whole = self.mode == "whole-step"

@@ -146,6 +146,12 @@ class WireFormat:
         return self.name in QUANTIZED
 
     @property
+    def uncompressed(self) -> WireFormat:
+        """The format an uncompressed step (the warm-up's) travels in: int8 for "int4", whose
+        rounding of a tensor sent whole nothing keeps there; this format for the others."""
+        return WireFormat("int8") if self.name == "int4" else self
+
+    @property
     def alignment(self) -> int:
         """The multiple of elements each tensor of a buffer starts at
         (edgc.comm.units.flatten_by_dtype): BLOCK for a quantized format, so that no block
